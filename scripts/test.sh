@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test suite: lint, the newest vLLM's scheduler tests in their own environment, then everything else.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+.venv/bin/ruff check .
+.venv-vllm-latest/bin/python -m pytest -m vllm_latest -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -m "not vllm_latest" "$@"

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvtest import Proc, RedisServer, redis_server, start_sidecar
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, stopped after the test."""
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+def sidecar_factory(tmp_path: Path) -> Iterator:
+    """Starts real `kvpool-sidecar` processes; all are stopped after the test."""
+    started: list[Proc] = []
+
+    def make(capacity: str | int = "64Mi", redis_urls: list[str] = (), *extra: str, port: int | None = None) -> Proc:
+        proc = start_sidecar(tmp_path, capacity, redis_urls, *extra, port=port)
+        started.append(proc)
+        return proc
+
+    yield make
+    for proc in started:
+        proc.stop()

@@ -1,0 +1,171 @@
+"""Shared test support: free ports, waiting on conditions with deadlines, real servers as processes.
+
+Nothing here fakes a part we can run: Redis is the real redis-server, the sidecar is the real
+`kvpool-sidecar` process on a real socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def need(condition: bool, what: str) -> None:
+    """Skip outside CI when something the test needs is missing; in CI a missing dependency fails."""
+    if condition:
+        return
+    if IN_CI:
+        pytest.fail(f"missing dependency in CI: {what}")
+    pytest.skip(f"needs {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    """Polls `condition` until it returns a truthy value; fails with `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as e:  # the condition may raise while the thing starts
+            last_error = e
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f": {last_error!r}" if last_error else ""))
+
+
+def http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class Proc:
+    """A child process with its log file; stop() is idempotent."""
+
+    popen: subprocess.Popen
+    log: Path
+    info: dict = field(default_factory=dict)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+    f = log.open("wb")
+    popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    return Proc(popen, log)
+
+
+# --- Redis ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RedisServer:
+    port: int
+    dir: Path
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        need(binary is not None, "redis-server (apt-get install redis-server)")
+        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.dir), "--protected-mode", "no"]
+        self.proc = spawn(argv, self.dir / "redis.log")
+        wait_until(self.ping, 15, f"redis-server on port {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.stop()
+            wait_until(lambda: not self.ping(), 15, "redis-server to stop")
+
+
+@contextlib.contextmanager
+def redis_server(port: int | None = None) -> Iterator[RedisServer]:
+    with tempfile.TemporaryDirectory(prefix="kvpool-redis-") as d:
+        server = RedisServer(port or free_port(), Path(d)).start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+# --- kvpool-sidecar -------------------------------------------------------------------------------
+
+
+def sidecar_argv(port: int, arena_dir: Path, capacity: str | int, redis_urls: list[str] = (), *extra: str) -> list[str]:
+    argv = [sys.executable, "-m", "kvpool_sidecar", "--host", "127.0.0.1", "--port", str(port),
+            "--capacity", str(capacity), "--arena-dir", str(arena_dir)]
+    for url in redis_urls:
+        argv += ["--redis-url", url]
+    return argv + list(extra)
+
+
+def start_sidecar(workdir: Path, capacity: str | int = "64Mi", redis_urls: list[str] = (), *extra: str,
+                  port: int | None = None) -> Proc:
+    """Starts the real sidecar process and waits for /healthz."""
+    port = port or free_port()
+    arena_dir = workdir / f"arena-{port}"
+    arena_dir.mkdir(parents=True, exist_ok=True)
+    proc = spawn(sidecar_argv(port, arena_dir, capacity, list(redis_urls), *extra), workdir / f"sidecar-{port}.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: proc.alive() and http_ok(url + "/healthz"), 30, f"sidecar on {url}")
+    except TimeoutError:
+        proc.kill()
+        raise RuntimeError(f"sidecar did not start:\n{proc.output()}") from None
+    proc.info.update(url=url, port=port, arena_dir=arena_dir)
+    return proc
