@@ -1,0 +1,37 @@
+"""The metadata the scheduler half hands the worker half each step (small, picklable)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class ChunkOp:
+    """One stored chunk: its chain link (the worker derives its rank's key), how many blocks the
+    chunk holds, and the blocks of the paged buffer to copy (a load may take only the first ones)."""
+
+    link: bytes
+    chunk_blocks: int
+    block_ids: list[int]
+    first_block: int = 0  # index in the chunk of block_ids[0]
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    chunks: list[ChunkOp]
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    priority: int
+    chunks: list[ChunkOp]
+
+
+@dataclass
+class KVPoolMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,65 @@
+"""The connector's settings, read from vLLM's `kv_connector_extra_config`.
+
+Imports nothing from torch or vLLM: the operator's tests import this module to check what it writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KVPoolConfig:
+    sidecar_url: str = "http://127.0.0.1:7070"
+    shm_path: str | None = None
+    chunk_size: int = 256
+    priority_limit: int | None = None
+    save_decode_cache: bool = False
+    skip_last_n_tokens: int = 0
+    discard_partial_chunks: bool = False
+    timeout_ms: int = 1000
+    pool: str | None = None
+
+
+# key -> (accepted types, check on the value or None, what a valid value is)
+_INT = (int,)
+_RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
+    "sidecar_url": ((str,), lambda v: v.startswith(("http://", "https://")), "an http(s) URL"),
+    "shm_path": ((str, type(None)), lambda v: v is None or bool(v), "a directory path or null"),
+    "chunk_size": (_INT, lambda v: v > 0, "a positive integer"),
+    "priority_limit": ((int, type(None)), None, "an integer or null"),
+    "save_decode_cache": ((bool,), None, "true or false"),
+    "skip_last_n_tokens": (_INT, lambda v: v >= 0, "a non-negative integer"),
+    "discard_partial_chunks": ((bool,), None, "true or false"),
+    "timeout_ms": (_INT, lambda v: v > 0, "a positive integer"),
+    "pool": ((str, type(None)), None, "a string or null"),
+}
+assert set(_RULES) == {f.name for f in dataclasses.fields(KVPoolConfig)}
+
+
+def _check(key: str, value: Any) -> Any:
+    types, valid, what = _RULES[key]
+    # bool is an int in Python; a flag written as 1 or a size written as true is a mistake
+    is_bool = isinstance(value, bool)
+    if not isinstance(value, types) or (is_bool and bool not in types) or (valid and not valid(value)):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be {what}, got {value!r}")
+    return value
+
+
+def load_config(extra: Mapping[str, Any] | None) -> tuple[KVPoolConfig, list[str]]:
+    """Builds the config from `kv_connector_extra_config`.
+
+    Returns the config and warnings for unknown keys (other connectors' keys may share the dict);
+    raises ValueError naming the key when a value has the wrong type or is out of range.
+    """
+    values: dict[str, Any] = {}
+    warnings: list[str] = []
+    for key, value in (extra or {}).items():
+        if key in _RULES:
+            values[key] = _check(key, value)
+        else:
+            warnings.append(f"kvpool: unknown kv_connector_extra_config key {key!r} ignored")
+    return KVPoolConfig(**values), warnings

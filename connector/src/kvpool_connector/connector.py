@@ -1,0 +1,123 @@
+"""KVPoolConnector: vLLM's entry point, a thin facade over the scheduler half and the worker half."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .common import KVPoolMetadata
+from .config import load_config
+from .metrics import KVPoolStats, build_stats
+from .namespace import engine_namespace, layer_names
+from .scheduler import KVPoolScheduler
+from .worker import KVPoolWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError):  # no TP group (single process tests)
+        return 0
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        self.cfg, warnings = load_config(extra)
+        for w in warnings:
+            log.warning(w)
+        namespace = engine_namespace(vllm_config, kv_cache_config, self.cfg.chunk_size)
+        self._layer_names = layer_names(kv_cache_config)
+        self._num_blocks = kv_cache_config.num_blocks
+        self.scheduler: KVPoolScheduler | None = None
+        self.worker: KVPoolWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size)
+        else:
+            self.worker = KVPoolWorker(self.cfg, _tp_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # --- worker side -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+        caches = [(n, group_kernel_blocks(kv_caches[n], self._num_blocks)) for n in self._layer_names]
+        self.worker.register_kv_caches(caches)
+
+    def _meta(self) -> KVPoolMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata)
+        return meta
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._meta()
+        self.worker.start_load(meta)
+        self.worker.begin_step(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self.worker.finish_step(self._meta())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker else set()
+
+    def get_kv_connector_stats(self) -> KVPoolStats | None:
+        half = self.worker or self.scheduler
+        return half.take_stats() if half else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolStats:
+        return build_stats(data)
+
+    def shutdown(self) -> None:
+        for half in (self.worker, self.scheduler):
+            if half is not None:
+                half.shutdown()
+
+    # --- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)

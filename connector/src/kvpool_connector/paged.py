@@ -1,0 +1,72 @@
+"""Gather and scatter of whole KV blocks between vLLM's paged buffer and flat chunk bytes.
+
+A layer's cache is a tensor whose first dimension is the block: vLLM's logical
+[blocks, kv_heads, block_size, head_size_k + head_size_v] view over the LBNHC or LBHNC physical
+orders, the split [blocks, 2, block_size, kv_heads, head_size] view, or MLA's [blocks, block_size, C].
+When a block's bytes form one contiguous run (every layout with the block outside the in-block
+dimensions), a block is copied as raw bytes in its physical order: one row copy per block, any dtype.
+Otherwise (e.g. LHBNC, heads outside blocks) blocks are copied in logical order.
+The chunk namespace names the layout, so the two formats never meet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _block_is_dense(t: torch.Tensor) -> bool:
+    """True when each block's elements fill one contiguous run of memory."""
+    dims = sorted(((t.stride(d), t.shape[d]) for d in range(1, t.dim()) if t.shape[d] != 1), reverse=True)
+    expected = 1
+    for stride, size in reversed(dims):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class PagedLayer:
+    """One layer's paged KV cache, seen as rows of block bytes."""
+
+    def __init__(self, cache: torch.Tensor):
+        self.cache = cache
+        self.num_blocks = cache.shape[0]
+        self.page_bytes = cache[0].numel() * cache.element_size()
+        self.dense = _block_is_dense(cache)
+        if self.dense:
+            elem = cache.element_size()
+            # a uint8 view (num_blocks, page_bytes) over the same storage
+            self.pages = torch.empty(0, dtype=torch.uint8, device=cache.device).set_(
+                cache.untyped_storage(),
+                cache.storage_offset() * elem,
+                (self.num_blocks, self.page_bytes),
+                (cache.stride(0) * elem, 1),
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copies blocks `block_ids` into `out`, a contiguous uint8 tensor [len(block_ids), page_bytes]
+        on the cache's device."""
+        if self.dense:
+            torch.index_select(self.pages, 0, block_ids, out=out)
+        else:
+            out.copy_(self.cache.index_select(0, block_ids).view(torch.uint8).reshape(out.shape))
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Writes `src` (uint8 [len(block_ids), page_bytes], on the cache's device) into blocks `block_ids`."""
+        if self.dense:
+            self.pages.index_copy_(0, block_ids, src)
+        else:
+            n = block_ids.numel()
+            values = src.reshape(-1).view(self.cache.dtype).view(n, *self.cache.shape[1:])
+            self.cache.index_copy_(0, block_ids, values)
+
+
+def physical_order(cache: torch.Tensor) -> str:
+    """The in-block dimension order by decreasing stride, e.g. 'HNC' or 'NHC' (for logs and checks)."""
+    names = {4: "BHNC", 3: "BNC", 5: "BSNHC"}.get(cache.dim(), "B" + "X" * (cache.dim() - 1))
+    dims = sorted(range(1, cache.dim()), key=lambda d: -cache.stride(d))
+    return "".join(names[d] for d in dims)

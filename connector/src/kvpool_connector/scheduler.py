@@ -1,0 +1,191 @@
+"""Scheduler half: chunk keys, one lookup per request, and which chunks each step loads and saves."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpool_sidecar.client import SidecarClient, SidecarError
+
+from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
+from .config import KVPoolConfig
+from .keys import Namespace, chain, rank_key
+from .metrics import KVPoolStats
+from .spans import Span, align_down, decode_spans, prompt_spans
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+SKIP_SAVE_PARAM = "kvpool.skip_save"
+
+
+@dataclass
+class _ReqState:
+    request: Request
+    links: list[bytes] = field(default_factory=list)  # chain links of full chunks, extended lazily
+    block_ids: list[int] = field(default_factory=list)
+    saved: set[Span] = field(default_factory=set)  # spans known to be in the sidecar
+    lookup: tuple[int, list[Span]] | None = None  # (num_computed_tokens asked, hit spans)
+    load: Span | None = None  # tokens to load in the request's next scheduled step
+
+
+class KVPoolScheduler:
+    def __init__(self, cfg: KVPoolConfig, namespace: Namespace, block_size: int):
+        self.cfg = cfg
+        self.block_size = block_size
+        self.seed = namespace.seed()
+        self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
+        self.reqs: dict[str, _ReqState] = {}
+        self.stats = KVPoolStats()
+
+    # --- keys ------------------------------------------------------------------------------------
+
+    def _link(self, st: _ReqState, span: Span) -> bytes:
+        """The chain link of a stored span (a full chunk, or the prompt's partial tail)."""
+        cs = self.cfg.chunk_size
+        index = span[0] // cs
+        tokens = st.request.all_token_ids
+        if span[1] - span[0] < cs:  # partial tail: linked to the last full chunk, never cached
+            prev = st.links[index - 1] if index else None
+            return chain(self.seed, tokens[span[0] : span[1]], cs, start=prev or self.seed)[0]
+        if len(st.links) <= index:
+            start = st.links[-1] if st.links else None
+            st.links += chain(self.seed, tokens[: (index + 1) * cs], cs, start=start, first_chunk=len(st.links))
+        return st.links[index]
+
+    def _state(self, request: Request) -> _ReqState:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            st = self.reqs[request.request_id] = _ReqState(request)
+        return st
+
+    # --- lookups ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        st.lookup = None
+        # a full-prompt hit still recomputes the last token: vLLM needs its logits
+        limit = align_down(request.num_prompt_tokens - 1, self.block_size)
+        spans = [s for s in prompt_spans(request.num_prompt_tokens, self.cfg, self.block_size) if s[0] < limit]
+        if limit <= num_computed_tokens or not spans or not spans[-1][1] > num_computed_tokens:
+            return 0, False
+        keys = [rank_key(self._link(st, s), 0) for s in spans]
+        self.stats.add("lookups")
+        try:
+            hits = self.client.lookup(keys)
+        except SidecarError as e:  # an unreachable or slow sidecar is a miss
+            self.stats.add("lookup_errors")
+            log.warning("kvpool lookup failed, treating as a miss: %s", e)
+            return 0, False
+        hit_spans = spans[: max(0, min(hits, len(spans)))]
+        end = min(hit_spans[-1][1], limit) if hit_spans else 0
+        if end <= num_computed_tokens:
+            return 0, False
+        st.lookup = (num_computed_tokens, hit_spans)
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self._state(request)
+        if num_external_tokens == 0:  # nothing to load (also the second call after an async load)
+            return
+        assert st.lookup is not None, "external tokens without a lookup"
+        start, hit_spans = st.lookup
+        st.load = (start, start + num_external_tokens)
+        st.saved.update(hit_spans)  # already stored: never saved again
+        self.stats.add("hit_tokens", num_external_tokens)
+
+    # --- per-step metadata -----------------------------------------------------------------------
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KVPoolMetadata:
+        meta = KVPoolMetadata()
+        computed: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            if (st := self.reqs.get(new.req_id)) is not None:
+                st.block_ids = list(new.block_ids[0])
+                computed[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if (st := self.reqs.get(req_id)) is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption: the full list
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids += new_ids[0]
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, num_computed in computed.items():
+            st = self.reqs[req_id]
+            if st.load is not None:
+                meta.loads.append(self._load_spec(st))
+                st.load = None
+            end = num_computed + so.num_scheduled_tokens.get(req_id, 0)
+            if (save := self._save_spec(st, end)) is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _ops(self, st: _ReqState, spans: list[Span], clip: Span) -> list[ChunkOp]:
+        bs = self.block_size
+        ops = []
+        for s in spans:
+            lo, hi = max(s[0], clip[0]), min(s[1], clip[1])
+            if hi <= lo:
+                continue
+            # a load may start mid-chunk (behind vLLM's own prefix hit) or stop before the chunk's end
+            ops.append(ChunkOp(self._link(st, s), (s[1] - s[0]) // bs, st.block_ids[lo // bs : hi // bs],
+                               first_block=(lo - s[0]) // bs))
+        return ops
+
+    def _load_spec(self, st: _ReqState) -> LoadSpec:
+        assert st.lookup is not None and st.load is not None
+        return LoadSpec(st.request.request_id, self._ops(st, st.lookup[1], st.load))
+
+    def _save_allowed(self, request: Request) -> bool:
+        limit = self.cfg.priority_limit
+        if limit is not None and request.priority > limit:
+            return False
+        params = request.kv_transfer_params or {}
+        return not params.get(SKIP_SAVE_PARAM, False)
+
+    def _save_spec(self, st: _ReqState, computed_end: int) -> SaveSpec | None:
+        """Chunks whose tokens all have KV in the paged buffer once this step has run."""
+        request = st.request
+        if not self._save_allowed(request):
+            return None
+        spans = prompt_spans(request.num_prompt_tokens, self.cfg, self.block_size)
+        if self.cfg.save_decode_cache:
+            spans += decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
+        todo = [s for s in spans if s[1] <= computed_end and s not in st.saved]
+        if not todo:
+            return None
+        st.saved.update(todo)
+        ops = [ChunkOp(self._link(st, s), (s[1] - s[0]) // self.block_size,
+                       st.block_ids[s[0] // self.block_size : s[1] // self.block_size]) for s in todo]
+        return SaveSpec(request.request_id, request.priority, ops)
+
+    # --- worker results, request end -------------------------------------------------------------
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        bad = set(getattr(output, "invalid_block_ids", None) or ())
+        if not bad:
+            return
+        # the step that failed to load also skipped that request's saves; forget them so the
+        # recomputed chunks are saved again
+        for st in self.reqs.values():
+            first_bad = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
+            if first_bad is not None:
+                st.saved = {s for s in st.saved if s[1] <= first_bad * self.block_size}
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self.reqs.pop(request.request_id, None)
+        return False, None  # saves are complete when a step ends: the blocks may be freed now
+
+    def take_stats(self) -> KVPoolStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -1,0 +1,224 @@
+"""Worker half: copies chunks between vLLM's paged KV buffer and the sidecar's shared-memory arena.
+
+A chunk's bytes are, for each layer in order, its blocks' pages one after another. Loads run
+synchronously before the forward; a chunk that cannot be pinned (evicted, corrupted, sidecar gone)
+leaves its blocks in get_block_ids_with_load_errors so vLLM recomputes them. Saves reserve arena
+slots, copy, then commit (the client checksums what it commits); they finish inside wait_for_save, so
+no block is reused before its bytes are out.
+On CUDA the arena is pinned with cudaHostRegister and copies run on a side stream, each layer's save
+starting as soon as the forward has written it (save_kv_layer). That path has not been run here:
+this machine has no GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from kvpool_sidecar.client import SidecarClient, SidecarError, Slot
+
+from .common import ChunkOp, KVPoolMetadata
+from .config import KVPoolConfig
+from .keys import rank_key
+from .metrics import KVPoolStats
+from .paged import PagedLayer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingSave:
+    slot: Slot
+    op: ChunkOp
+
+
+class KVPoolWorker:
+    def __init__(self, cfg: KVPoolConfig, tp_rank: int):
+        self.cfg = cfg
+        self.tp_rank = tp_rank
+        self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
+        self.layers: list[PagedLayer] = []
+        self.layer_index: dict[str, int] = {}
+        self.stats = KVPoolStats()
+        self._arena: torch.Tensor | None = None
+        self._failed_blocks: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        self._pending: list[_PendingSave] = []
+        self._cuda = False
+        self._stream: torch.cuda.Stream | None = None
+        self._staging: list[torch.Tensor] = []
+
+    # --- setup -----------------------------------------------------------------------------------
+
+    def register_kv_caches(self, caches: list[tuple[str, torch.Tensor]]) -> None:
+        self.layers = [PagedLayer(t) for _, t in caches]
+        self.layer_index = {name: i for i, (name, _) in enumerate(caches)}
+        self._cuda = bool(self.layers) and self.layers[0].device.type == "cuda"
+        if self._cuda:
+            self._stream = torch.cuda.Stream()
+        dense = all(layer.dense for layer in self.layers)
+        log.info("kvpool: %d layers, %d bytes per block, %s copies, device %s", len(self.layers),
+                 self._block_bytes(), "byte-row" if dense else "logical", self.layers[0].device if self.layers else "-")
+
+    def _block_bytes(self) -> int:
+        return sum(layer.page_bytes for layer in self.layers)
+
+    def chunk_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self._block_bytes()
+
+    def _arena_tensor(self) -> torch.Tensor:
+        """The sidecar's arena as a uint8 tensor, mapped once (and pinned for DMA on CUDA)."""
+        if self._arena is None:
+            arena = torch.frombuffer(self.client.arena(), dtype=torch.uint8)
+            if self._cuda:
+                err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+                if int(err) != 0:
+                    log.warning("kvpool: cudaHostRegister failed (%s); copies will not be DMA", err)
+            self._arena = arena
+        return self._arena
+
+    def _rows(self, arena: torch.Tensor, offset: int, op: ChunkOp, layer: int) -> torch.Tensor:
+        """The arena rows of `op`'s blocks for one layer."""
+        start = offset + op.chunk_blocks * sum(lay.page_bytes for lay in self.layers[:layer])
+        page = self.layers[layer].page_bytes
+        region = arena[start : start + op.chunk_blocks * page].view(op.chunk_blocks, page)
+        return region[op.first_block : op.first_block + len(op.block_ids)]
+
+    def _ids(self, op: ChunkOp) -> torch.Tensor:
+        return torch.tensor(op.block_ids, dtype=torch.int64, device=self.layers[0].device)
+
+    # --- loads -----------------------------------------------------------------------------------
+
+    def start_load(self, meta: KVPoolMetadata) -> None:
+        for load in meta.loads:
+            ops = load.chunks
+            t0 = time.perf_counter()
+            done = 0
+            lease = None
+            try:
+                pinned = self.client.pin([rank_key(op.link, self.tp_rank) for op in ops])
+                lease = pinned.lease
+                arena = self._arena_tensor()
+                for op, slot in zip(ops, pinned.slots, strict=False):
+                    if slot.length != self.chunk_bytes(op.chunk_blocks):
+                        log.warning("kvpool: chunk %s has %d bytes, expected %d", slot.key, slot.length,
+                                    self.chunk_bytes(op.chunk_blocks))
+                        break
+                    self._scatter(arena, slot.offset, op)
+                    done += 1
+                    self.stats.add("loaded_chunks")
+                    self.stats.add("loaded_bytes", len(op.block_ids) * self._block_bytes())
+                if self._cuda:
+                    torch.cuda.current_stream().wait_stream(self._stream)
+                    self._stream.synchronize()  # the pinned lease may be given back below
+            except Exception as e:  # a cache failure is a recompute, never a failed request
+                self.stats.add("sidecar_errors")
+                log.warning("kvpool: load of %s failed, vLLM recomputes it: %r", load.req_id, e)
+            finally:
+                if lease is not None:
+                    try:
+                        self.client.release(lease)
+                    except SidecarError:
+                        pass  # the lease expires by itself
+            if done < len(ops):
+                missed = [b for op in ops[done:] for b in op.block_ids]
+                self._failed_blocks.update(missed)
+                self._failed_reqs.add(load.req_id)
+                self.stats.add("load_failed_blocks", len(missed))
+            self.stats.add("load_seconds", time.perf_counter() - t0)
+
+    def _scatter(self, arena: torch.Tensor, offset: int, op: ChunkOp) -> None:
+        ids = self._ids(op)
+        if not self._cuda:
+            for i, layer in enumerate(self.layers):
+                layer.scatter(ids, self._rows(arena, offset, op, i))
+            return
+        with torch.cuda.stream(self._stream):
+            for i, layer in enumerate(self.layers):
+                staged = self._rows(arena, offset, op, i).to(layer.device, non_blocking=True)
+                layer.scatter(ids, staged)
+
+    def take_load_errors(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    # --- saves -----------------------------------------------------------------------------------
+
+    def _reserve(self, meta: KVPoolMetadata) -> None:
+        """Reserves arena slots for this step's saves (requests whose load failed save nothing now:
+        their later chunks were computed over blocks that will be recomputed)."""
+        for save in meta.saves:
+            if save.req_id in self._failed_reqs:
+                self.stats.add("save_skipped_chunks", len(save.chunks))
+                continue
+            items = [(rank_key(op.link, self.tp_rank), self.chunk_bytes(op.chunk_blocks)) for op in save.chunks]
+            try:
+                slots = self.client.reserve(items, priority=save.priority)
+            except SidecarError as e:
+                self.stats.add("sidecar_errors")
+                self.stats.add("save_skipped_chunks", len(items))
+                log.warning("kvpool: save of %s skipped: %s", save.req_id, e)
+                continue
+            for op, slot in zip(save.chunks, slots, strict=True):
+                if slot is None:
+                    self.stats.add("save_skipped_chunks")
+                else:
+                    self._pending.append(_PendingSave(slot, op))
+
+    def begin_step(self, meta: KVPoolMetadata) -> None:
+        """On CUDA, reserve before the forward so each layer's copy can start in save_kv_layer."""
+        if self._cuda and meta.saves:
+            self._reserve(meta)
+
+    def save_layer(self, layer_name: str) -> None:
+        if not self._cuda or not self._pending or layer_name not in self.layer_index:
+            return
+        i = self.layer_index[layer_name]
+        arena = self._arena_tensor()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for p in self._pending:
+                staging = torch.empty((len(p.op.block_ids), self.layers[i].page_bytes), dtype=torch.uint8,
+                                      device=self.layers[i].device)
+                self.layers[i].gather(self._ids(p.op), staging)
+                self._rows(arena, p.slot.offset, p.op, i).copy_(staging, non_blocking=True)
+                self._staging.append(staging)
+
+    def finish_step(self, meta: KVPoolMetadata) -> None:
+        """Completes this step's saves: after this returns, every block's bytes are in the arena."""
+        t0 = time.perf_counter()
+        try:
+            if not self._cuda and meta.saves:
+                self._reserve(meta)
+                arena = self._arena_tensor() if self._pending else None
+                for p in self._pending:
+                    ids = self._ids(p.op)
+                    for i, layer in enumerate(self.layers):
+                        layer.gather(ids, self._rows(arena, p.slot.offset, p.op, i))
+            elif self._cuda and self._pending:
+                self._stream.synchronize()
+                self._staging.clear()
+            if self._pending:
+                self.client.commit([p.slot for p in self._pending])
+                self.stats.add("saved_chunks", len(self._pending))
+                self.stats.add("saved_bytes", sum(p.slot.length for p in self._pending))
+        except Exception as e:  # a failed save is a future miss, never a failed request
+            self.stats.add("sidecar_errors")
+            log.warning("kvpool: saving %d chunks failed: %r", len(self._pending), e)
+            try:
+                self.client.abort([p.slot for p in self._pending])
+            except SidecarError:
+                pass  # the reservation's lease expires by itself
+        finally:
+            if meta.saves:
+                self.stats.add("save_seconds", time.perf_counter() - t0)
+            self._pending.clear()
+            self._failed_reqs.clear()
+
+    def take_stats(self) -> KVPoolStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -1,0 +1,79 @@
+"""Chunk keys and the connector's configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from kvpool_connector.config import KVPoolConfig, load_config
+from kvpool_connector.keys import Namespace, chain, chunk_keys, rank_key
+from kvpool_connector.spans import decode_spans, prompt_spans
+
+NS = Namespace("m", "float32", "FullAttentionSpec:LBHNC", 8, 4, 64, 32, 64, 1)
+
+
+def test_keys_are_chained_hex_and_prefix_stable() -> None:
+    tokens = list(range(300))
+    keys = chunk_keys(NS, tokens)
+    assert len(keys) == 5  # four full chunks of 64 and a partial one
+    assert all(len(k) == 32 and k == k.lower() and int(k, 16) >= 0 for k in keys)
+    assert chunk_keys(NS, tokens[:256]) == keys[:4]  # a shared prefix gives the same keys
+    changed = tokens.copy()
+    changed[10] = 999
+    # a change in chunk 0 changes every later key (chained)
+    assert all(a != b for a, b in zip(chunk_keys(NS, changed), keys, strict=True))
+
+
+def test_namespace_separates_everything_that_changes_bytes() -> None:
+    tokens = list(range(128))
+    base = chunk_keys(NS, tokens)
+    for field, value in [("model", "other"), ("dtype", "bfloat16"), ("layout", "x"), ("num_layers", 9),
+                         ("num_kv_heads", 8), ("head_size", 128), ("block_size", 16), ("chunk_size", 128),
+                         ("tp_size", 2)]:
+        assert chunk_keys(dataclasses.replace(NS, **{field: value}), tokens)[0] != base[0], field
+    assert chunk_keys(NS, tokens, tp_rank=1)[0] != base[0]
+
+
+def test_incremental_chain_equals_full_chain() -> None:
+    tokens = list(range(64 * 6))
+    full = chain(NS.seed(), tokens, 64)
+    part = chain(NS.seed(), tokens[: 64 * 2], 64)
+    part += chain(NS.seed(), tokens, 64, start=part[-1], first_chunk=2)
+    assert part == full
+    assert rank_key(full[0], 0) == chunk_keys(NS, tokens)[0]
+
+
+def test_spans() -> None:
+    cfg = KVPoolConfig(chunk_size=64)
+    assert prompt_spans(150, cfg, 32) == [(0, 64), (64, 128)]  # tail 128..150 is less than a block
+    assert prompt_spans(170, cfg, 32) == [(0, 64), (64, 128), (128, 160)]
+    assert prompt_spans(170, dataclasses.replace(cfg, discard_partial_chunks=True), 32) == [(0, 64), (64, 128)]
+    assert prompt_spans(170, dataclasses.replace(cfg, skip_last_n_tokens=20), 32) == [(0, 64), (64, 128)]
+    assert decode_spans(300, 170, cfg) == [(128, 192), (192, 256)]
+
+
+def test_load_config_defaults_types_and_unknown_keys() -> None:
+    cfg, warnings = load_config(None)
+    assert cfg == KVPoolConfig() and warnings == []
+    cfg, warnings = load_config({"chunk_size": 512, "priority_limit": 3, "pool": "ns/p", "lmcache_thing": 1})
+    assert cfg.chunk_size == 512 and cfg.priority_limit == 3 and cfg.pool == "ns/p"
+    assert len(warnings) == 1 and "lmcache_thing" in warnings[0]
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("chunk_size", "256"), ("chunk_size", 0), ("chunk_size", True), ("timeout_ms", -1),
+    ("save_decode_cache", 1), ("priority_limit", 1.5), ("sidecar_url", "127.0.0.1:7070"),
+    ("skip_last_n_tokens", -2), ("shm_path", 3),
+])
+def test_load_config_rejects_wrong_values_naming_the_key(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=key):
+        load_config({key: value})
+
+
+def test_config_module_imports_without_torch_or_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, kvpool_connector.config, kvpool_connector.keys, kvpool_connector.spans;"
+            "bad = {'torch', 'vllm'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
