@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from kvpool_connector.config import KVPoolConfig, load_config
 from kvpool_connector.keys import Namespace, chain, chunk_keys, rank_key
 from kvpool_connector.spans import decode_spans, prompt_spans
@@ -27,9 +28,17 @@ def test_keys_are_chained_hex_and_prefix_stable() -> None:
 def test_namespace_separates_everything_that_changes_bytes() -> None:
     tokens = list(range(128))
     base = chunk_keys(NS, tokens)
-    for field, value in [("model", "other"), ("dtype", "bfloat16"), ("layout", "x"), ("num_layers", 9),
-                         ("num_kv_heads", 8), ("head_size", 128), ("block_size", 16), ("chunk_size", 128),
-                         ("tp_size", 2)]:
+    for field, value in [
+        ("model", "other"),
+        ("dtype", "bfloat16"),
+        ("layout", "x"),
+        ("num_layers", 9),
+        ("num_kv_heads", 8),
+        ("head_size", 128),
+        ("block_size", 16),
+        ("chunk_size", 128),
+        ("tp_size", 2),
+    ]:
         assert chunk_keys(dataclasses.replace(NS, **{field: value}), tokens)[0] != base[0], field
     assert chunk_keys(NS, tokens, tp_rank=1)[0] != base[0]
 
@@ -47,7 +56,10 @@ def test_spans() -> None:
     cfg = KVPoolConfig(chunk_size=64)
     assert prompt_spans(150, cfg, 32) == [(0, 64), (64, 128)]  # tail 128..150 is less than a block
     assert prompt_spans(170, cfg, 32) == [(0, 64), (64, 128), (128, 160)]
-    assert prompt_spans(170, dataclasses.replace(cfg, discard_partial_chunks=True), 32) == [(0, 64), (64, 128)]
+    assert prompt_spans(170, dataclasses.replace(cfg, discard_partial_chunks=True), 32) == [
+        (0, 64),
+        (64, 128),
+    ]
     assert prompt_spans(170, dataclasses.replace(cfg, skip_last_n_tokens=20), 32) == [(0, 64), (64, 128)]
     assert decode_spans(300, 170, cfg) == [(128, 192), (192, 256)]
 
@@ -60,11 +72,20 @@ def test_load_config_defaults_types_and_unknown_keys() -> None:
     assert len(warnings) == 1 and "lmcache_thing" in warnings[0]
 
 
-@pytest.mark.parametrize(("key", "value"), [
-    ("chunk_size", "256"), ("chunk_size", 0), ("chunk_size", True), ("timeout_ms", -1),
-    ("save_decode_cache", 1), ("priority_limit", 1.5), ("sidecar_url", "127.0.0.1:7070"),
-    ("skip_last_n_tokens", -2), ("shm_path", 3),
-])
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("chunk_size", "256"),
+        ("chunk_size", 0),
+        ("chunk_size", True),
+        ("timeout_ms", -1),
+        ("save_decode_cache", 1),
+        ("priority_limit", 1.5),
+        ("sidecar_url", "127.0.0.1:7070"),
+        ("skip_last_n_tokens", -2),
+        ("shm_path", 3),
+    ],
+)
 def test_load_config_rejects_wrong_values_naming_the_key(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=key):
         load_config({key: value})
@@ -74,6 +95,8 @@ def test_config_module_imports_without_torch_or_vllm() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, kvpool_connector.config, kvpool_connector.keys, kvpool_connector.spans;"
-            "bad = {'torch', 'vllm'} & set(sys.modules); assert not bad, bad")
+    code = (
+        "import sys, kvpool_connector.config, kvpool_connector.keys, kvpool_connector.spans;"
+        "bad = {'torch', 'vllm'} & set(sys.modules); assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

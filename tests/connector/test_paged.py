@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvpool_connector.paged import PagedLayer
 
 NUM_BLOCKS, HEADS, HEAD = 12, 4, 64
@@ -53,7 +54,9 @@ def test_gather_then_scatter_is_exact(layout: str, dtype: torch.dtype, bs: int) 
     dst.scatter(torch.tensor([1, 3, 5, 11]), buf)
     for s, d in zip([7, 2, 9, 0], [1, 3, 5, 11], strict=True):
         # bit-exact, including NaN payloads that random bits produce
-        assert torch.equal(dst.cache[d].contiguous().view(torch.uint8), src.cache[s].contiguous().view(torch.uint8))
+        assert torch.equal(
+            dst.cache[d].contiguous().view(torch.uint8), src.cache[s].contiguous().view(torch.uint8)
+        )
     untouched = [b for b in range(NUM_BLOCKS) if b not in (1, 3, 5, 11)]
     assert all(not dst.cache[b].contiguous().view(torch.uint8).any() for b in untouched)
 

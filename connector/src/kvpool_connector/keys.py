@@ -41,8 +41,16 @@ class Namespace:
 
     def seed(self) -> bytes:
         fields = (
-            "kvpool-v1", self.model, self.dtype, self.layout, self.num_layers, self.num_kv_heads,
-            self.head_size, self.block_size, self.chunk_size, self.tp_size,
+            "kvpool-v1",
+            self.model,
+            self.dtype,
+            self.layout,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_size,
+            self.block_size,
+            self.chunk_size,
+            self.tp_size,
         )
         return _h("\x1f".join(map(str, fields)).encode())
 
@@ -54,8 +62,9 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
     return a.tobytes()
 
 
-def chain(seed: bytes, tokens: Sequence[int], chunk_size: int, start: bytes | None = None,
-          first_chunk: int = 0) -> list[bytes]:
+def chain(
+    seed: bytes, tokens: Sequence[int], chunk_size: int, start: bytes | None = None, first_chunk: int = 0
+) -> list[bytes]:
     """The chain links of the full and trailing chunks of `tokens`, starting at chunk `first_chunk`
     whose predecessor link is `start` (the seed for chunk 0). The last link covers a partial chunk
     when len(tokens) is not a multiple of chunk_size."""

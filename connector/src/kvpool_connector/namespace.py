@@ -25,7 +25,9 @@ def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
 def engine_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, chunk_size: int) -> Namespace:
     groups = attention_groups(kv_cache_config)
     if len(groups) != 1:
-        raise ValueError(f"kvpool supports models with one attention KV cache group, this one has {len(groups)}")
+        raise ValueError(
+            f"kvpool supports models with one attention KV cache group, this one has {len(groups)}"
+        )
     spec = groups[0].kv_cache_spec
     if chunk_size % spec.block_size:
         raise ValueError(f"chunk_size {chunk_size} must be a multiple of the KV block size {spec.block_size}")

@@ -56,7 +56,7 @@ class PagedLayer:
             out.copy_(self.cache.index_select(0, block_ids).view(torch.uint8).reshape(out.shape))
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        """Writes `src` (uint8 [len(block_ids), page_bytes], on the cache's device) into blocks `block_ids`."""
+        """Writes `src` (uint8 [len(block_ids), page_bytes], on the cache's device) into `block_ids`."""
         if self.dense:
             self.pages.index_copy_(0, block_ids, src)
         else:

@@ -55,7 +55,9 @@ class KVPoolScheduler:
             return chain(self.seed, tokens[span[0] : span[1]], cs, start=prev or self.seed)[0]
         if len(st.links) <= index:
             start = st.links[-1] if st.links else None
-            st.links += chain(self.seed, tokens[: (index + 1) * cs], cs, start=start, first_chunk=len(st.links))
+            st.links += chain(
+                self.seed, tokens[: (index + 1) * cs], cs, start=start, first_chunk=len(st.links)
+            )
         return st.links[index]
 
     def _state(self, request: Request) -> _ReqState:
@@ -71,7 +73,9 @@ class KVPoolScheduler:
         st.lookup = None
         # a full-prompt hit still recomputes the last token: vLLM needs its logits
         limit = align_down(request.num_prompt_tokens - 1, self.block_size)
-        spans = [s for s in prompt_spans(request.num_prompt_tokens, self.cfg, self.block_size) if s[0] < limit]
+        spans = [
+            s for s in prompt_spans(request.num_prompt_tokens, self.cfg, self.block_size) if s[0] < limit
+        ]
         if limit <= num_computed_tokens or not spans or not spans[-1][1] > num_computed_tokens:
             return 0, False
         keys = [rank_key(self._link(st, s), 0) for s in spans]
@@ -89,7 +93,9 @@ class KVPoolScheduler:
         st.lookup = (num_computed_tokens, hit_spans)
         return end - num_computed_tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         st = self._state(request)
         if num_external_tokens == 0:  # nothing to load (also the second call after an async load)
             return
@@ -136,8 +142,14 @@ class KVPoolScheduler:
             if hi <= lo:
                 continue
             # a load may start mid-chunk (behind vLLM's own prefix hit) or stop before the chunk's end
-            ops.append(ChunkOp(self._link(st, s), (s[1] - s[0]) // bs, st.block_ids[lo // bs : hi // bs],
-                               first_block=(lo - s[0]) // bs))
+            ops.append(
+                ChunkOp(
+                    self._link(st, s),
+                    (s[1] - s[0]) // bs,
+                    st.block_ids[lo // bs : hi // bs],
+                    first_block=(lo - s[0]) // bs,
+                )
+            )
         return ops
 
     def _load_spec(self, st: _ReqState) -> LoadSpec:
@@ -163,8 +175,14 @@ class KVPoolScheduler:
         if not todo:
             return None
         st.saved.update(todo)
-        ops = [ChunkOp(self._link(st, s), (s[1] - s[0]) // self.block_size,
-                       st.block_ids[s[0] // self.block_size : s[1] // self.block_size]) for s in todo]
+        ops = [
+            ChunkOp(
+                self._link(st, s),
+                (s[1] - s[0]) // self.block_size,
+                st.block_ids[s[0] // self.block_size : s[1] // self.block_size],
+            )
+            for s in todo
+        ]
         return SaveSpec(request.request_id, request.priority, ops)
 
     # --- worker results, request end -------------------------------------------------------------

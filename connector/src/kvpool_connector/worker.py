@@ -12,11 +12,13 @@ this machine has no GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
+
 from kvpool_sidecar.client import SidecarClient, SidecarError, Slot
 
 from .common import ChunkOp, KVPoolMetadata
@@ -59,8 +61,13 @@ class KVPoolWorker:
         if self._cuda:
             self._stream = torch.cuda.Stream()
         dense = all(layer.dense for layer in self.layers)
-        log.info("kvpool: %d layers, %d bytes per block, %s copies, device %s", len(self.layers),
-                 self._block_bytes(), "byte-row" if dense else "logical", self.layers[0].device if self.layers else "-")
+        log.info(
+            "kvpool: %d layers, %d bytes per block, %s copies, device %s",
+            len(self.layers),
+            self._block_bytes(),
+            "byte-row" if dense else "logical",
+            self.layers[0].device if self.layers else "-",
+        )
 
     def _block_bytes(self) -> int:
         return sum(layer.page_bytes for layer in self.layers)
@@ -103,8 +110,12 @@ class KVPoolWorker:
                 arena = self._arena_tensor()
                 for op, slot in zip(ops, pinned.slots, strict=False):
                     if slot.length != self.chunk_bytes(op.chunk_blocks):
-                        log.warning("kvpool: chunk %s has %d bytes, expected %d", slot.key, slot.length,
-                                    self.chunk_bytes(op.chunk_blocks))
+                        log.warning(
+                            "kvpool: chunk %s has %d bytes, expected %d",
+                            slot.key,
+                            slot.length,
+                            self.chunk_bytes(op.chunk_blocks),
+                        )
                         break
                     self._scatter(arena, slot.offset, op)
                     done += 1
@@ -118,10 +129,8 @@ class KVPoolWorker:
                 log.warning("kvpool: load of %s failed, vLLM recomputes it: %r", load.req_id, e)
             finally:
                 if lease is not None:
-                    try:
+                    with contextlib.suppress(SidecarError):  # the lease expires by itself
                         self.client.release(lease)
-                    except SidecarError:
-                        pass  # the lease expires by itself
             if done < len(ops):
                 missed = [b for op in ops[done:] for b in op.block_ids]
                 self._failed_blocks.update(missed)
@@ -153,7 +162,9 @@ class KVPoolWorker:
             if save.req_id in self._failed_reqs:
                 self.stats.add("save_skipped_chunks", len(save.chunks))
                 continue
-            items = [(rank_key(op.link, self.tp_rank), self.chunk_bytes(op.chunk_blocks)) for op in save.chunks]
+            items = [
+                (rank_key(op.link, self.tp_rank), self.chunk_bytes(op.chunk_blocks)) for op in save.chunks
+            ]
             try:
                 slots = self.client.reserve(items, priority=save.priority)
             except SidecarError as e:
@@ -180,8 +191,11 @@ class KVPoolWorker:
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for p in self._pending:
-                staging = torch.empty((len(p.op.block_ids), self.layers[i].page_bytes), dtype=torch.uint8,
-                                      device=self.layers[i].device)
+                staging = torch.empty(
+                    (len(p.op.block_ids), self.layers[i].page_bytes),
+                    dtype=torch.uint8,
+                    device=self.layers[i].device,
+                )
                 self.layers[i].gather(self._ids(p.op), staging)
                 self._rows(arena, p.slot.offset, p.op, i).copy_(staging, non_blocking=True)
                 self._staging.append(staging)
@@ -207,10 +221,8 @@ class KVPoolWorker:
         except Exception as e:  # a failed save is a future miss, never a failed request
             self.stats.add("sidecar_errors")
             log.warning("kvpool: saving %d chunks failed: %r", len(self._pending), e)
-            try:
+            with contextlib.suppress(SidecarError):  # the reservation's lease expires by itself
                 self.client.abort([p.slot for p in self._pending])
-            except SidecarError:
-                pass  # the reservation's lease expires by itself
         finally:
             if meta.saves:
                 self.stats.add("save_seconds", time.perf_counter() - t0)
