@@ -1,0 +1,221 @@
+"""The FastAPI apps, built by factories: the data API and the read-only status API. Routes stay thin."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+from fastapi import FastAPI, Header, HTTPException, Path, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from kvpool_sidecar import control, metrics
+from kvpool_sidecar import schemas as s
+from kvpool_sidecar.service import Sidecar
+from kvpool_sidecar.store import PutResult
+from kvpool_sidecar.wire import KEY_PATTERN
+
+log = logging.getLogger(__name__)
+
+KeyPath = Annotated[str, Path(pattern=KEY_PATTERN, description="lowercase hex, 32..128 characters")]
+BINARY = {"schema": {"type": "string", "format": "binary"}}
+ERRORS = {400: {"model": s.Error}, 413: {"model": s.Error}, 422: {"model": s.Error}}
+
+
+class BodyError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error is a JSON body {"error": message} with the right status code."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = f"{where}: {first.get('msg', 'invalid request')}"
+        detail = [{k: e.get(k) for k in ("loc", "msg", "type")} for e in exc.errors()[:20]]
+        return JSONResponse({"error": message, "detail": detail}, status_code=422)
+
+    @app.exception_handler(BodyError)
+    async def body_error(_: Request, exc: BodyError) -> JSONResponse:
+        return JSONResponse({"error": exc.message}, status_code=exc.status)
+
+    @app.exception_handler(control.TooLarge)
+    async def too_large(_: Request, exc: control.TooLarge) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=413)
+
+
+def _add_status_routes(app: FastAPI, sidecar: Sidecar) -> None:
+    @app.get("/healthz", tags=["status"])
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["status"], responses={503: {"model": s.Error}})
+    async def readyz() -> JSONResponse:
+        ok, reason = sidecar.ready()
+        if ok:
+            return JSONResponse({"ready": True, "reason": reason})
+        return JSONResponse(
+            {"ready": False, "reason": reason, "error": f"not ready: {reason}"}, status_code=503
+        )
+
+    @app.get("/stats", tags=["status"])
+    async def stats() -> dict:
+        return sidecar.stats()
+
+    @app.get("/metrics", tags=["status"], response_class=PlainTextResponse)
+    async def prometheus() -> PlainTextResponse:
+        ok, _ = sidecar.ready()
+        return PlainTextResponse(metrics.render(sidecar.stats(), ok), media_type="text/plain; version=0.0.4")
+
+
+def create_status_app(sidecar: Sidecar) -> FastAPI:
+    """Only the read-only probes and stats, for the pod IP (kubelet, the operator)."""
+    app = FastAPI(title="kvpool sidecar status", version="0.1.0")
+    _install_error_handlers(app)
+    _add_status_routes(app, sidecar)
+    return app
+
+
+def create_app(sidecar: Sidecar) -> FastAPI:
+    app = FastAPI(title="kvpool sidecar", version="0.1.0")
+    _install_error_handlers(app)
+    _add_status_routes(app, sidecar)
+    store = sidecar.store
+    max_chunk = sidecar.settings.max_chunk_bytes
+
+    @app.post("/v1/lookup", tags=["chunks"], responses=ERRORS)
+    async def lookup(req: s.LookupRequest) -> s.LookupResponse:
+        if store.lower is not None:  # may ask Redis: keep the loop free
+            return s.LookupResponse(hits=await run_in_threadpool(store.lookup, req.keys))
+        return s.LookupResponse(hits=store.lookup(req.keys))
+
+    @app.put(
+        "/v1/chunks/{key}",
+        tags=["chunks"],
+        status_code=201,
+        responses={200: {"description": "already stored"}, 507: {"model": s.Error}, **ERRORS},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": BINARY}}},
+    )
+    async def put_chunk(
+        key: KeyPath,
+        request: Request,
+        priority: Annotated[int, Header(alias="X-KVPool-Priority", ge=-(2**31), lt=2**31)] = 0,
+    ) -> JSONResponse:
+        result = await _receive_chunk(request, key, priority)
+        if result is PutResult.FULL:
+            raise HTTPException(507, "no room for this chunk even after eviction")
+        if result is PutResult.BUSY:
+            raise HTTPException(409, "another client is writing this chunk right now")
+        created = result is PutResult.CREATED
+        return JSONResponse(
+            {"key": key, "stored": True, "created": created}, status_code=201 if created else 200
+        )
+
+    async def _receive_chunk(request: Request, key: str, priority: int) -> PutResult:
+        """Streams the body into a reserved arena slot; oversize is refused before memory is committed."""
+        declared = request.headers.get("content-length")
+        if declared is None:
+            data = bytearray()
+            async for piece in _stream(request):
+                data += piece
+                if len(data) > max_chunk:
+                    raise BodyError(413, f"body larger than the largest chunk allowed ({max_chunk} bytes)")
+            return store.put(key, data, priority)
+        try:
+            length = int(declared)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            raise BodyError(400, f"bad Content-Length: {declared!r}") from None
+        if length > max_chunk:
+            raise BodyError(
+                413, f"body of {length} bytes is larger than the largest chunk allowed ({max_chunk})"
+            )
+        result, slot = store.reserve_one(key, length, priority)
+        if slot is None:
+            async for _ in _stream(request):  # drain, so the connection stays usable
+                pass
+            return result
+        view = store.arena.view
+        pos = slot.offset
+        end = slot.offset + slot.length
+        try:
+            async for piece in _stream(request):
+                if pos + len(piece) > end:
+                    raise BodyError(400, "body longer than its Content-Length")
+                view[pos : pos + len(piece)] = piece
+                pos += len(piece)
+            if pos != end:
+                raise BodyError(400, f"body of {pos - slot.offset} bytes, Content-Length said {length}")
+        except BaseException:
+            store.abort([slot])
+            raise
+        if slot.length > 1 << 20:  # hashing a big chunk: off the loop
+            return await run_in_threadpool(store.commit_one, slot)
+        return store.commit_one(slot)
+
+    async def _stream(request: Request):
+        try:
+            async for piece in request.stream():
+                if piece:
+                    yield piece
+        except ClientDisconnect:
+            raise BodyError(400, "client disconnected before the body was complete") from None
+
+    @app.get(
+        "/v1/chunks/{key}",
+        tags=["chunks"],
+        response_class=Response,
+        responses={200: {"content": {"application/octet-stream": {}}}, 404: {"model": s.Error}, **ERRORS},
+    )
+    async def get_chunk(key: KeyPath) -> Response:
+        data = await run_in_threadpool(store.get, key)
+        if data is None:
+            raise HTTPException(404, "no such chunk")
+        return Response(content=data, media_type="application/octet-stream")
+
+    @app.delete(
+        "/v1/chunks/{key}", tags=["chunks"], status_code=204, responses={404: {"model": s.Error}, **ERRORS}
+    )
+    async def delete_chunk(key: KeyPath) -> Response:
+        found = await run_in_threadpool(store.delete, key) if store.lower is not None else store.delete(key)
+        if not found:
+            raise HTTPException(404, "no such chunk")
+        return Response(status_code=204)
+
+    @app.get("/v1/arena", tags=["arena"])
+    async def arena_info() -> s.ArenaInfo:
+        return s.ArenaInfo(path=str(sidecar.arena.path), size=sidecar.arena.size, socket=sidecar.socket_path)
+
+    @app.post("/v1/arena/reserve", tags=["arena"], responses=ERRORS)
+    async def reserve(req: s.ReserveRequest) -> s.ReserveResponse:
+        return control.reserve(store, req, max_chunk)
+
+    @app.post("/v1/arena/commit", tags=["arena"], responses=ERRORS)
+    async def commit(req: s.CommitRequest) -> s.CommitResponse:
+        return control.commit(store, req)
+
+    @app.post("/v1/arena/abort", tags=["arena"], responses=ERRORS)
+    async def abort(req: s.AbortRequest) -> dict:
+        return control.abort(store, req)
+
+    @app.post("/v1/arena/pin", tags=["arena"], responses=ERRORS)
+    async def pin(req: s.PinRequest) -> s.PinResponse:
+        return await run_in_threadpool(control.pin, store, req)
+
+    @app.post("/v1/arena/release", tags=["arena"], responses=ERRORS)
+    async def release(req: s.ReleaseRequest) -> s.ReleaseResponse:
+        return control.release(store, req)
+
+    return app

@@ -1,0 +1,361 @@
+"""The small client of the sidecar that the connector and tools use.
+
+Standard library and xxhash only (it runs inside vLLM). Thread-safe: connections are taken from a
+small pool per client, so many threads (and many processes, each with its own client) may call at
+once. Any failure is a SidecarError, which callers turn into a miss.
+
+Arena control messages (reserve/commit/abort/pin/release) go over the Unix socket in the arena
+directory when it can be reached, else over HTTP; bench/sidecar_bench.py measures both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import mmap
+import os
+import socket
+import threading
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from kvpool_sidecar.wire import (
+    ARENA_FILE,
+    CONTROL_SOCKET,
+    FRAME_HEADER,
+    MAX_FRAME_BYTES,
+    Pinned,
+    Slot,
+    checksum,
+    encode_frame,
+    slot_from_json,
+    slot_to_json,
+)
+
+__all__ = ["Pinned", "SidecarClient", "SidecarError", "Slot", "checksum"]
+
+C = TypeVar("C")
+
+
+class SidecarError(Exception):
+    """Any failure talking to the sidecar (connect, timeout, bad status); callers turn it into a miss."""
+
+
+class _Pool:
+    """Idle connections for reuse; a connection is used by one thread at a time."""
+
+    def __init__(self, connect: Callable[[], C], close: Callable[[C], None], keep: int = 8) -> None:
+        self._connect = connect
+        self._close = close
+        self._keep = keep
+        self._idle: list[C] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def connection(self) -> Iterator[tuple[C, bool]]:
+        """Yields (connection, reused). A connection that raised is closed, not returned."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        reused = conn is not None
+        if conn is None:
+            conn = self._connect()
+        try:
+            yield conn, reused
+        except BaseException:
+            self._close(conn)
+            raise
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append(conn)
+                return
+        self._close(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            self._close(conn)
+
+
+def _close_quietly(conn: Any) -> None:
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+class SidecarClient:
+    def __init__(
+        self, url: str = "http://127.0.0.1:7070", *, timeout: float = 1.0, shm_path: str | None = None
+    ):
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ValueError(f"sidecar url must be http://host:port, got {url!r}")
+        self.url = url
+        self.timeout = timeout
+        self._host = parsed.hostname
+        self._port = parsed.port or 80
+        self._shm_path = shm_path
+        self._http = _Pool(
+            lambda: http.client.HTTPConnection(self._host, self._port, timeout=timeout), _close_quietly
+        )
+        self._sock: _Pool | None = None
+        self._sock_checked = False
+        self._arena: memoryview | None = None
+        self._arena_map: mmap.mmap | None = None
+        self._arena_lock = threading.Lock()
+
+    # --- transport ---------------------------------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | memoryview | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        for attempt in (0, 1):
+            try:
+                with self._http.connection() as (conn, reused):
+                    try:
+                        conn.request(method, path, body=body, headers=headers or {})
+                        resp = conn.getresponse()
+                        data = resp.read()
+                    except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                        # the server closed an idle keep-alive connection: one retry on a fresh one
+                        if reused and attempt == 0:
+                            raise _Retry from None
+                        raise
+                    if resp.will_close:
+                        conn.close()
+                    return resp.status, data
+            except _Retry:
+                continue
+            except (OSError, http.client.HTTPException) as e:
+                raise SidecarError(f"{method} {self.url}{path}: {e!r}") from e
+        raise SidecarError(f"{method} {self.url}{path}: connection lost")
+
+    def _json(self, method: str, path: str, payload: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
+        body = json.dumps(payload).encode() if payload is not None else None
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        status, data = self._request(method, path, body, headers)
+        if status not in ok:
+            raise SidecarError(f"{method} {path}: HTTP {status}: {_error_text(data)}")
+        try:
+            return json.loads(data) if data else {}
+        except ValueError as e:
+            raise SidecarError(f"{method} {path}: answer is not JSON") from e
+
+    def _socket_pool(self) -> _Pool | None:
+        """The Unix-socket pool, if the control socket exists where this process sees the arena."""
+        if not self._sock_checked:
+            self._sock_checked = True
+            path = self._socket_path()
+            if path and os.path.exists(path):
+                self._sock = _Pool(lambda: self._connect_unix(path), _close_quietly)
+        return self._sock
+
+    def _connect_unix(self, path: str) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(path)
+        except OSError:
+            s.close()
+            raise
+        return s
+
+    def _socket_path(self) -> str | None:
+        if self._shm_path is not None:
+            return os.path.join(self._shm_path, CONTROL_SOCKET)
+        try:
+            info = self._json("GET", "/v1/arena")
+        except SidecarError:
+            return None
+        return info.get("socket")
+
+    def _control(self, op: str, body: dict) -> Any:
+        """One arena control round trip: over the Unix socket when there is one, else HTTP."""
+        pool = self._socket_pool()
+        if pool is None:
+            return self._json("POST", f"/v1/arena/{op}", body)
+        for attempt in (0, 1):
+            try:
+                with pool.connection() as (sock, reused):
+                    try:
+                        sock.sendall(encode_frame({"op": op, "body": body}))
+                        header = _recv_exactly(sock, FRAME_HEADER.size)
+                    except (BrokenPipeError, ConnectionResetError, EOFError):
+                        if reused and attempt == 0:
+                            raise _Retry from None
+                        raise
+                    (size,) = FRAME_HEADER.unpack(header)
+                    if size > MAX_FRAME_BYTES:
+                        raise SidecarError("control frame too large")
+                    answer = json.loads(_recv_exactly(sock, size))
+            except _Retry:
+                continue
+            except (OSError, EOFError, ValueError) as e:
+                raise SidecarError(f"control {op} over {self._socket_path_hint()}: {e!r}") from e
+            if answer.get("status") != 200:
+                raise SidecarError(
+                    f"control {op}: {answer.get('status')}: {answer.get('body', {}).get('error')}"
+                )
+            return answer["body"]
+        raise SidecarError(f"control {op}: connection lost")
+
+    def _socket_path_hint(self) -> str:
+        return os.path.join(self._shm_path, CONTROL_SOCKET) if self._shm_path else "the control socket"
+
+    # --- public HTTP API -----------------------------------------------------------------------------
+
+    def healthz(self) -> bool:
+        try:
+            status, _ = self._request("GET", "/healthz")
+        except SidecarError:
+            return False
+        return status == 200
+
+    def readyz(self) -> tuple[bool, str]:
+        status, data = self._request("GET", "/readyz")
+        try:
+            reason = json.loads(data).get("reason", "")
+        except ValueError:
+            reason = data.decode(errors="replace")
+        return status == 200, reason
+
+    def stats(self) -> dict:
+        return self._json("GET", "/stats")
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Length of the longest prefix of `keys` that can be loaded now."""
+        if not keys:
+            return 0
+        return int(self._json("POST", "/v1/lookup", {"keys": list(keys)})["hits"])
+
+    def put(self, key: str, data: bytes | bytearray | memoryview, priority: int = 0) -> bool:
+        """True when stored or already there; False when there is no room even after eviction (507)."""
+        headers = {"Content-Type": "application/octet-stream", "X-KVPool-Priority": str(int(priority))}
+        status, body = self._request("PUT", f"/v1/chunks/{key}", data, headers)
+        if status in (200, 201):
+            return True
+        if status == 507:
+            return False
+        raise SidecarError(f"PUT chunk {key}: HTTP {status}: {_error_text(body)}")
+
+    def get(self, key: str) -> bytes | None:
+        status, body = self._request("GET", f"/v1/chunks/{key}")
+        if status == 200:
+            return body
+        if status == 404:
+            return None
+        raise SidecarError(f"GET chunk {key}: HTTP {status}: {_error_text(body)}")
+
+    def delete(self, key: str) -> bool:
+        status, body = self._request("DELETE", f"/v1/chunks/{key}")
+        if status == 204:
+            return True
+        if status == 404:
+            return False
+        raise SidecarError(f"DELETE chunk {key}: HTTP {status}: {_error_text(body)}")
+
+    # --- zero-copy arena path: one round trip per batch ---------------------------------------------
+
+    def arena(self) -> memoryview:
+        """A writable mapping of the whole arena (mapped once, cached)."""
+        with self._arena_lock:
+            if self._arena is None:
+                path = self._arena_file()
+                try:
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        size = os.fstat(fd).st_size
+                        self._arena_map = mmap.mmap(
+                            fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+                        )
+                    finally:
+                        os.close(fd)
+                except (OSError, ValueError) as e:
+                    raise SidecarError(f"cannot map the arena {path}: {e!r}") from e
+                self._arena = memoryview(self._arena_map)
+            return self._arena
+
+    def _arena_file(self) -> str:
+        if self._shm_path is not None:
+            return os.path.join(self._shm_path, ARENA_FILE)
+        return str(self._json("GET", "/v1/arena")["path"])
+
+    def reserve(self, items: Sequence[tuple[str, int]], priority: int = 0) -> list[Slot | None]:
+        """Room for each (key, length): None where the key is already stored or there is no room."""
+        if not items:
+            return []
+        body = {"items": [{"key": k, "length": int(n)} for k, n in items], "priority": int(priority)}
+        answer = self._control("reserve", body)
+        return [slot_from_json(x) if x else None for x in answer["slots"]]
+
+    def commit(self, slots: Sequence[Slot]) -> None:
+        """Makes written slots loadable; checksums their arena bytes here, in the writer."""
+        if not slots:
+            return
+        view = self.arena()
+        body = {
+            "slots": [
+                {**slot_to_json(s), "checksum": checksum(view[s.offset : s.offset + s.length])} for s in slots
+            ]
+        }
+        self._control("commit", body)
+
+    def abort(self, slots: Sequence[Slot]) -> None:
+        if slots:
+            self._control("abort", {"slots": [slot_to_json(s) for s in slots]})
+
+    def pin(self, keys: Sequence[str]) -> Pinned:
+        """Pins the longest loadable prefix of `keys`; promotes from Redis into the arena when needed."""
+        answer = self._control("pin", {"keys": list(keys)})
+        return Pinned(answer["lease"], [slot_from_json(x) for x in answer["slots"]])
+
+    def release(self, lease: str) -> None:
+        self._control("release", {"lease": lease})
+
+    def close(self) -> None:
+        self._http.close()
+        if self._sock is not None:
+            self._sock.close()
+        with self._arena_lock:
+            if self._arena is not None:
+                self._arena.release()
+                self._arena = None
+            if self._arena_map is not None:
+                with contextlib.suppress(BufferError):  # the caller still holds views; unmapped at exit
+                    self._arena_map.close()
+                self._arena_map = None
+
+    def __enter__(self) -> SidecarClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Retry(Exception):
+    pass
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("control socket closed")
+        got += k
+    return bytes(buf)
+
+
+def _error_text(data: bytes) -> str:
+    try:
+        return str(json.loads(data).get("error"))
+    except (ValueError, AttributeError):
+        return data[:200].decode(errors="replace")

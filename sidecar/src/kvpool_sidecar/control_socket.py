@@ -1,0 +1,88 @@
+"""The arena control channel over a Unix socket in the arena directory (faster than HTTP on loopback).
+
+Frames are `wire.FRAME_HEADER` + JSON. A request is {"op": <name>, "body": {...}}; the answer is
+{"status": <HTTP-like code>, "body": {...}}, the same bodies and codes as POST /v1/arena/<op>.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvpool_sidecar import control
+from kvpool_sidecar.service import Sidecar
+from kvpool_sidecar.wire import FRAME_HEADER, MAX_FRAME_BYTES, encode_frame
+
+log = logging.getLogger(__name__)
+
+
+def dispatch_sync(sidecar: Sidecar, op: str, body: Any) -> tuple[int, Any]:
+    entry = control.OPS.get(op)
+    if entry is None:
+        return 404, {"error": f"unknown operation {op!r}"}
+    model, handler, _ = entry
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        return 422, {"error": f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"}
+    try:
+        if handler is control.reserve:
+            result = handler(sidecar.store, req, sidecar.settings.max_chunk_bytes)
+        else:
+            result = handler(sidecar.store, req)
+    except control.TooLarge as e:
+        return 413, {"error": str(e)}
+    return 200, result if isinstance(result, dict) else result.model_dump()
+
+
+async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                header = await reader.readexactly(FRAME_HEADER.size)
+            except asyncio.IncompleteReadError:
+                return
+            (size,) = FRAME_HEADER.unpack(header)
+            if size > MAX_FRAME_BYTES:
+                writer.write(encode_frame({"status": 413, "body": {"error": "frame too large"}}))
+                return
+            raw = await reader.readexactly(size)
+            try:
+                msg = json.loads(raw)
+                op, body = msg["op"], msg.get("body", {})
+            except (ValueError, KeyError, TypeError):
+                writer.write(encode_frame({"status": 400, "body": {"error": "malformed frame"}}))
+                await writer.drain()
+                continue
+            entry = control.OPS.get(op) if isinstance(op, str) else None
+            if entry is not None and entry[2]:  # may hash or wait on Redis: off the loop
+                status, answer = await loop.run_in_executor(None, dispatch_sync, sidecar, op, body)
+            else:
+                status, answer = dispatch_sync(sidecar, str(op), body)
+            writer.write(encode_frame({"status": status, "body": answer}))
+            await writer.drain()
+    except (ConnectionError, asyncio.IncompleteReadError):
+        return
+    except Exception:
+        log.exception("control socket client failed")
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def start(sidecar: Sidecar) -> asyncio.AbstractServer:
+    path = sidecar.socket_path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = await asyncio.start_unix_server(lambda r, w: _serve_client(sidecar, r, w), path=path)
+    os.chmod(path, 0o660)
+    return server

@@ -1,0 +1,89 @@
+"""Request and response bodies of the JSON API; the HTTP routes and the Unix socket validate with these."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvpool_sidecar.wire import KEY_PATTERN
+
+Key = Annotated[str, Field(pattern=KEY_PATTERN, description="lowercase hex, 32..128 characters")]
+MAX_BATCH = 65536  # keys per request; a 1M-token prompt in 256-token chunks is 4096
+Uint64 = Annotated[int, Field(ge=0, lt=2**64)]
+Priority = Annotated[int, Field(ge=-(2**31), lt=2**31)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LookupRequest(_Strict):
+    keys: list[Key] = Field(max_length=MAX_BATCH)
+
+
+class LookupResponse(BaseModel):
+    hits: int
+
+
+class ReserveItem(_Strict):
+    key: Key
+    length: Annotated[int, Field(ge=0)]
+
+
+class ReserveRequest(_Strict):
+    items: list[ReserveItem] = Field(max_length=MAX_BATCH)
+    priority: Priority = 0
+
+
+class SlotModel(_Strict):
+    key: Key
+    offset: Annotated[int, Field(ge=0)]
+    length: Annotated[int, Field(ge=0)]
+
+
+class ReserveResponse(BaseModel):
+    slots: list[SlotModel | None]
+
+
+class CommitSlot(SlotModel):
+    checksum: Uint64
+
+
+class CommitRequest(_Strict):
+    slots: list[CommitSlot] = Field(max_length=MAX_BATCH)
+
+
+class CommitResponse(BaseModel):
+    committed: list[bool]
+
+
+class AbortRequest(_Strict):
+    slots: list[SlotModel] = Field(max_length=MAX_BATCH)
+
+
+class PinRequest(_Strict):
+    keys: list[Key] = Field(max_length=MAX_BATCH)
+
+
+class PinResponse(BaseModel):
+    lease: str
+    slots: list[SlotModel]
+
+
+class ReleaseRequest(_Strict):
+    lease: Annotated[str, Field(max_length=128)]
+
+
+class ReleaseResponse(BaseModel):
+    released: bool
+
+
+class ArenaInfo(BaseModel):
+    path: str
+    size: int
+    socket: str | None
+
+
+class Error(BaseModel):
+    error: str

@@ -1,0 +1,62 @@
+"""Runs the sidecar: the data API, the optional status port and the control socket in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import uvicorn
+
+from kvpool_sidecar import control_socket
+from kvpool_sidecar.app import create_app, create_status_app
+from kvpool_sidecar.service import Sidecar
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """Signals are handled once for all servers by `serve` below."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _uvicorn(app, host: str, port: int, log_level: str) -> _Server:
+    config = uvicorn.Config(
+        app, host=host, port=port, loop="uvloop", http="httptools", lifespan="off",
+        log_level=log_level, access_log=False, timeout_keep_alive=60,
+    )  # fmt: skip
+    return _Server(config)
+
+
+async def serve(sidecar: Sidecar) -> None:
+    settings = sidecar.settings
+    servers = [_uvicorn(create_app(sidecar), settings.host, settings.port, settings.log_level)]
+    if settings.status_port:
+        servers.append(
+            _uvicorn(
+                create_status_app(sidecar), settings.status_host, settings.status_port, settings.log_level
+            )
+        )
+    sock_server = await control_socket.start(sidecar)
+    loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        for s in servers:
+            s.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop)
+    sidecar.start()
+    log.info(
+        "kvpool-sidecar serving on http://%s:%d, arena %s (%d bytes), control socket %s",
+        settings.host, settings.port, sidecar.arena.path, sidecar.arena.size, sidecar.socket_path,
+    )  # fmt: skip
+    try:
+        await asyncio.gather(*(s.serve() for s in servers))
+    finally:
+        sock_server.close()
+        sidecar.close()

@@ -1,0 +1,67 @@
+"""The sidecar's parts wired together: arena, store, optional Redis tier; readiness and stats."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvpool_sidecar.arena import Arena
+from kvpool_sidecar.settings import Settings
+from kvpool_sidecar.store import Store
+from kvpool_sidecar.wire import CONTROL_SOCKET
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sidecar:
+    settings: Settings
+    arena: Arena
+    store: Store
+    redis: object | None = None  # kvpool_sidecar.redis_tier.RedisTier, imported only when configured
+
+    @classmethod
+    def build(cls, settings: Settings) -> Sidecar:
+        arena = Arena(settings.arena_dir, settings.capacity)
+        store = Store(arena, lease_seconds=settings.lease_seconds)
+        sidecar = cls(settings, arena, store)
+        if settings.redis_urls or settings.redis_urls_file:
+            from kvpool_sidecar.redis_tier import RedisTier
+
+            tier = RedisTier.from_settings(settings, store)
+            store.lower = tier
+            sidecar.redis = tier
+        return sidecar
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.settings.arena_dir / CONTROL_SOCKET)
+
+    def start(self) -> None:
+        if self.redis is not None:
+            self.redis.start()
+
+    def close(self) -> None:
+        if self.redis is not None:
+            self.redis.close()
+
+    def ready(self) -> tuple[bool, str]:
+        if self.redis is not None:
+            ok, reason = self.redis.health()
+            if not ok:
+                return False, reason
+        return True, "ok"
+
+    def stats(self) -> dict:
+        snap = self.store.snapshot()
+        asked = snap["hits"] + snap["misses"]
+        cpu = {k: snap[k] for k in ("stored_bytes", "capacity_bytes", "chunks", "evictions", "free_bytes")}
+        tiers: dict[str, dict] = {"cpu": cpu}
+        if self.redis is not None:
+            tiers["redis"] = self.redis.stats()
+        return {
+            **{k: snap[k] for k in ("hits", "misses")},
+            "hit_rate": snap["hits"] / asked if asked else 0.0,
+            **{k: v for k, v in snap.items() if k not in ("hits", "misses")},
+            "tiers": tiers,
+        }

@@ -1,0 +1,474 @@
+"""The chunk store: the CPU tier's index over the arena, leases, eviction, and the hooks to Redis.
+
+One object, thread-safe, used by the asyncio handlers and by the Redis tier's threads. The index
+is changed under one lock; big copies and checksums run outside it while the chunk is reserved or
+pinned, which is also what keeps a chunk from being evicted or overwritten while it is in use.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from kvpool_sidecar.allocator import Allocator
+from kvpool_sidecar.arena import Arena
+from kvpool_sidecar.wire import Slot, checksum
+
+log = logging.getLogger(__name__)
+
+
+class PutResult(Enum):
+    CREATED = "created"
+    EXISTS = "exists"
+    FULL = "full"  # no room even after eviction
+    BUSY = "busy"  # another client is writing this key right now
+
+
+@dataclass(eq=False)
+class Entry:
+    key: str
+    offset: int
+    length: int
+    priority: int
+    stored: bool = False  # False while reserved (being written)
+    checksum: int = 0
+    last_use: int = 0
+    pins: int = 0
+    deadline: float = 0.0  # a reservation's expiry
+    dropped: bool = False  # out of the index; its extent is freed when the last pin goes
+
+
+@dataclass(eq=False)
+class Lease:
+    entries: list[Entry]
+    deadline: float
+    expired: bool = False  # set by the reaper, which has then unpinned `entries`
+
+
+@dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    corrupt_dropped: int = 0
+    reservations_expired: int = 0
+    leases_expired: int = 0
+    promotions: int = 0
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A chunk read from a lower tier, to be promoted into the arena."""
+
+    length: int
+    checksum: int
+    priority: int
+    pieces: list[bytes] = field(repr=False)
+
+
+class LowerTier(Protocol):
+    """What the store needs from the Redis tier (None when there is none)."""
+
+    def usable(self) -> bool: ...
+    def saved(self, key: str) -> None: ...
+    def deleted(self, key: str) -> None: ...
+    def exists_many(self, keys: Sequence[str]) -> list[bool]: ...
+    def fetch(self, key: str) -> Fetched | None: ...
+
+
+class Store:
+    def __init__(
+        self, arena: Arena, *, lease_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ):
+        self.arena = arena
+        self.capacity = arena.size
+        self.lease_seconds = lease_seconds
+        self.counters = Counters()
+        self.lower: LowerTier | None = None
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._alloc = Allocator(arena.size)
+        self._entries: dict[str, Entry] = {}
+        # Evictable order: per priority value an LRU of stored entries (oldest first).
+        self._lru: dict[int, OrderedDict[str, Entry]] = {}
+        self._priorities: list[int] = []  # sorted keys of _lru
+        self._leases: dict[str, Lease] = {}
+        self._tick = itertools.count(1)
+        self._stored_bytes = 0
+        self._next_reap = 0.0
+
+    # --- index bookkeeping (callers hold the lock) ------------------------------------------------
+
+    def _touch(self, e: Entry) -> None:
+        e.last_use = next(self._tick)
+        self._lru[e.priority].move_to_end(e.key)
+
+    def _link(self, e: Entry) -> None:
+        lru = self._lru.get(e.priority)
+        if lru is None:
+            lru = self._lru[e.priority] = OrderedDict()
+            bisect.insort(self._priorities, e.priority)
+        lru[e.key] = e
+        e.last_use = next(self._tick)
+
+    def _unlink(self, e: Entry) -> None:
+        lru = self._lru[e.priority]
+        del lru[e.key]
+        if not lru:
+            del self._lru[e.priority]
+            self._priorities.remove(e.priority)
+
+    def _drop(self, e: Entry) -> None:
+        """Takes an entry out of the index; frees its bytes now, or when its last pin is released."""
+        if e.dropped:
+            return
+        e.dropped = True
+        if self._entries.get(e.key) is e:
+            del self._entries[e.key]
+        if e.stored:
+            self._unlink(e)
+            self._stored_bytes -= e.length
+        if e.pins == 0:
+            self._alloc.free(e.offset, e.length)
+
+    def _unpin(self, e: Entry) -> None:
+        e.pins -= 1
+        if e.pins == 0 and e.dropped:
+            self._alloc.free(e.offset, e.length)
+
+    def _victim(self, protect: set[str]) -> Entry | None:
+        # A higher priority number is a lower priority (vLLM's convention): it goes first.
+        for prio in reversed(self._priorities):
+            for e in self._lru[prio].values():
+                if e.pins == 0 and e.key not in protect:
+                    return e
+        return None
+
+    def _allocate(self, length: int, protect: set[str]) -> int | None:
+        if self._alloc.footprint(length) > self.capacity:
+            return None
+        while True:
+            offset = self._alloc.alloc(length)
+            if offset is not None:
+                return offset
+            victim = self._victim(protect)
+            if victim is None:
+                return None
+            self._drop(victim)
+            self.counters.evictions += 1
+
+    def _reap(self) -> None:
+        now = self._clock()
+        if now < self._next_reap:
+            return
+        self._next_reap = now + min(1.0, self.lease_seconds / 4)
+        for lease_id in [lid for lid, lease in self._leases.items() if lease.deadline <= now]:
+            lease = self._leases.pop(lease_id)
+            lease.expired = True
+            for e in lease.entries:
+                self._unpin(e)
+            self.counters.leases_expired += 1
+        for e in [e for e in self._entries.values() if not e.stored and e.deadline <= now]:
+            self._drop(e)
+            self.counters.reservations_expired += 1
+
+    # --- the arena protocol -----------------------------------------------------------------------
+
+    def reserve(self, items: Sequence[tuple[str, int]], priority: int = 0) -> list[Slot | None]:
+        """Room for each (key, length): None where the key is stored or being written, or no room."""
+        out: list[Slot | None] = []
+        with self._lock:
+            self._reap()
+            batch = {k for k, _ in items}
+            deadline = self._clock() + self.lease_seconds
+            for key, length in items:
+                if key in self._entries:
+                    out.append(None)
+                    continue
+                offset = self._allocate(length, batch)
+                if offset is None:
+                    out.append(None)
+                    continue
+                self._entries[key] = Entry(key, offset, length, priority, deadline=deadline)
+                out.append(Slot(key, offset, length))
+        return out
+
+    def commit(self, items: Sequence[tuple[Slot, int]]) -> list[bool]:
+        """Makes reserved slots loadable with the checksum of their bytes; False where no longer reserved."""
+        done: list[bool] = []
+        saved: list[str] = []
+        with self._lock:
+            for slot, digest in items:
+                e = self._entries.get(slot.key)
+                if e is None or e.stored or e.offset != slot.offset or e.length != slot.length:
+                    done.append(False)
+                    continue
+                e.stored = True
+                e.checksum = digest
+                self._link(e)
+                self._stored_bytes += e.length
+                self.counters.bytes_in += e.length
+                saved.append(e.key)
+                done.append(True)
+        if self.lower is not None:
+            for key in saved:
+                self.lower.saved(key)
+        return done
+
+    def abort(self, slots: Sequence[Slot]) -> None:
+        with self._lock:
+            for slot in slots:
+                e = self._entries.get(slot.key)
+                if e is not None and not e.stored and e.offset == slot.offset and e.length == slot.length:
+                    self._drop(e)
+
+    def pin(self, keys: Sequence[str]) -> tuple[str, list[Slot]]:
+        """Pins the longest loadable prefix of `keys` (bytes verified), promoting from Redis when needed."""
+        lease_id = secrets.token_hex(16)
+        entries: list[Entry] = []
+        with self._lock:
+            self._reap()
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None or not e.stored:
+                    break
+                e.pins += 1
+                self._touch(e)
+                entries.append(e)
+            # Registered now so an expired client leaks nothing even while we verify below.
+            lease = self._leases[lease_id] = Lease(entries, self._clock() + self.lease_seconds)
+        good = self._verify_prefix(entries)
+        with self._lock:
+            if not lease.expired:
+                for e in entries[good:]:
+                    self._unpin(e)
+            del entries[good:]
+        if len(entries) < len(keys):  # a corrupt chunk may still have a good copy in Redis
+            self._promote_into(keys[len(entries) :], lease)
+        with self._lock:
+            if lease.expired:  # expired while we worked: hand nothing out
+                return lease_id, []
+            self.counters.bytes_out += sum(e.length for e in entries)
+            return lease_id, [Slot(e.key, e.offset, e.length) for e in entries]
+
+    def release(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                return False
+            for e in lease.entries:
+                self._unpin(e)
+            return True
+
+    def _verify_prefix(self, entries: list[Entry]) -> int:
+        """Checks each pinned entry's bytes; drops the first bad one and returns how many are good."""
+        view = self.arena.view
+        for i, e in enumerate(entries):
+            if checksum(view[e.offset : e.offset + e.length]) != e.checksum:
+                log.warning("chunk %s changed in the arena behind the sidecar: dropped", e.key)
+                with self._lock:
+                    self.counters.corrupt_dropped += 1
+                    self._drop(e)
+                return i
+        return len(entries)
+
+    def _promote_into(self, keys: Sequence[str], lease: Lease) -> None:
+        """Loads chunks from the lower tier into the arena, pinned under the caller's lease."""
+        lower = self.lower
+        if lower is None or not lower.usable():
+            return
+        for key in keys:
+            if not self._promote(key, lease):
+                return
+
+    def _pin_into(self, e: Entry, lease: Lease) -> bool:
+        if lease.expired:
+            return False
+        e.pins += 1
+        self._touch(e)
+        lease.entries.append(e)
+        return True
+
+    def _promote(self, key: str, lease: Lease) -> bool:
+        assert self.lower is not None
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None and e.stored:  # someone promoted or saved it meanwhile
+                return self._pin_into(e, lease)
+        fetched = self.lower.fetch(key)
+        if fetched is None:
+            return False
+        protect = {e.key for e in lease.entries}
+        with self._lock:
+            if key in self._entries:
+                return False
+            offset = self._allocate(fetched.length, protect)
+            if offset is None:
+                return False
+            e = Entry(
+                key, offset, fetched.length, fetched.priority, deadline=self._clock() + self.lease_seconds
+            )
+            self._entries[key] = e
+        pos = offset
+        for piece in fetched.pieces:
+            self.arena.view[pos : pos + len(piece)] = piece
+            pos += len(piece)
+        ok = pos - offset == fetched.length and (
+            checksum(self.arena.view[offset : offset + fetched.length]) == fetched.checksum
+        )
+        with self._lock:
+            if not ok:
+                log.warning("chunk %s from the lower tier failed its checksum: not served", key)
+                self.counters.corrupt_dropped += 1
+                self._drop(e)
+                return False
+            if e.dropped:  # the reservation expired meanwhile
+                return False
+            e.stored = True
+            e.checksum = fetched.checksum
+            self._link(e)
+            self._stored_bytes += e.length
+            self.counters.promotions += 1
+            return self._pin_into(e, lease)
+
+    @contextlib.contextmanager
+    def pinned(self, keys: Sequence[str]) -> Iterator[list[Slot]]:
+        lease_id, slots = self.pin(keys)
+        try:
+            yield slots
+        finally:
+            self.release(lease_id)
+
+    # --- whole-chunk operations (HTTP octet-stream, tools) ----------------------------------------
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            n = 0
+            for key in keys:
+                e = self._entries.get(key)
+                if e is None or not e.stored:
+                    break
+                n += 1
+        lower = self.lower
+        if n < len(keys) and lower is not None and lower.usable():
+            for found in lower.exists_many(keys[n:]):
+                if not found:
+                    break
+                n += 1
+        with self._lock:
+            self.counters.hits += n
+            self.counters.misses += len(keys) - n
+        return n
+
+    def put(self, key: str, data: bytes | bytearray | memoryview, priority: int = 0) -> PutResult:
+        result, slot = self.reserve_one(key, len(data), priority)
+        if slot is None:
+            return result
+        try:
+            self.arena.view[slot.offset : slot.offset + slot.length] = data
+        except BaseException:
+            self.abort([slot])
+            raise
+        return self.commit_one(slot)
+
+    def reserve_one(self, key: str, length: int, priority: int = 0) -> tuple[PutResult, Slot | None]:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                return (PutResult.EXISTS if e.stored else PutResult.BUSY), None
+            (slot,) = self.reserve([(key, length)], priority)
+            return (PutResult.CREATED if slot else PutResult.FULL), slot
+
+    def commit_one(self, slot: Slot) -> PutResult:
+        digest = checksum(self.arena.view[slot.offset : slot.offset + slot.length])
+        (ok,) = self.commit([(slot, digest)])
+        return PutResult.CREATED if ok else PutResult.FULL
+
+    def get(self, key: str) -> bytes | None:
+        """A copy of the chunk's bytes, checked after copying: what is returned is what was saved."""
+        data = None
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None and e.stored:
+                e.pins += 1
+                self._touch(e)
+            else:
+                e = None
+        if e is not None:
+            try:
+                data = bytes(self.arena.view[e.offset : e.offset + e.length])
+                bad = checksum(data) != e.checksum
+            finally:
+                with self._lock:
+                    self._unpin(e)
+            if bad:
+                log.warning("chunk %s changed in the arena behind the sidecar: dropped", key)
+                with self._lock:
+                    self.counters.corrupt_dropped += 1
+                    self._drop(e)
+                data = None
+            else:
+                with self._lock:
+                    self.counters.bytes_out += len(data)
+        if data is None and self.lower is not None:
+            with self.pinned([key]) as slots:  # a miss here looks in Redis and promotes
+                if slots:
+                    data = bytes(self.arena.view[slots[0].offset : slots[0].offset + slots[0].length])
+        with self._lock:
+            if data is not None:
+                self.counters.hits += 1
+            else:
+                self.counters.misses += 1
+        return data
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None and e.stored:
+                self._drop(e)
+                found = True
+            else:
+                found = False
+        lower = self.lower
+        if lower is not None:
+            lower.deleted(key)
+        return found
+
+    # --- observation -------------------------------------------------------------------------------
+
+    def stored_bytes(self) -> int:
+        return self._stored_bytes
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            self._reap()
+            c = self.counters
+            return {
+                "hits": c.hits,
+                "misses": c.misses,
+                "stored_bytes": self._stored_bytes,
+                "capacity_bytes": self.capacity,
+                "chunks": sum(len(lru) for lru in self._lru.values()),
+                "evictions": c.evictions,
+                "bytes_in": c.bytes_in,
+                "bytes_out": c.bytes_out,
+                "corrupt_dropped": c.corrupt_dropped,
+                "reservations_expired": c.reservations_expired,
+                "leases_expired": c.leases_expired,
+                "promotions": c.promotions,
+                "reserved_chunks": sum(1 for e in self._entries.values() if not e.stored),
+                "pinned_leases": len(self._leases),
+                "free_bytes": self._alloc.free_bytes,
+            }

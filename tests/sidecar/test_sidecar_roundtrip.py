@@ -1,0 +1,139 @@
+"""Save, lookup, load round trips against the real sidecar process: through the arena and over HTTP."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from kvpool_sidecar.client import SidecarClient, SidecarError, checksum
+
+
+def key(i: int, tag: str = "a") -> str:
+    return f"{tag}{i:031x}"
+
+
+def payload(n: int, seed: int) -> bytes:
+    return os.urandom(16) * (n // 16) + bytes([seed % 256]) * (n % 16)
+
+
+def test_arena_round_trip_gives_identical_bytes(sidecar_factory) -> None:
+    proc = sidecar_factory("16Mi")
+    with SidecarClient(proc.info["url"], shm_path=str(proc.info["arena_dir"])) as c:
+        chunks = {key(i): payload(100_000 + i, i) for i in range(8)}
+        keys = list(chunks)
+        assert c.lookup(keys) == 0
+        slots = c.reserve([(k, len(v)) for k, v in chunks.items()], priority=0)
+        assert all(s is not None for s in slots)
+        arena = c.arena()
+        for s in slots:
+            arena[s.offset : s.offset + s.length] = chunks[s.key]
+        c.commit(slots)
+        assert c.lookup(keys) == len(keys)
+        assert c.lookup([*keys[:3], key(99), *keys[3:]]) == 3  # a prefix, not a count
+        pinned = c.pin(keys)
+        try:
+            assert [s.key for s in pinned.slots] == keys
+            for s in pinned.slots:
+                assert bytes(arena[s.offset : s.offset + s.length]) == chunks[s.key]
+        finally:
+            c.release(pinned.lease)
+        # the same bytes over HTTP
+        assert c.get(keys[0]) == chunks[keys[0]]
+        # reserving a stored key gives None: nothing to write
+        assert c.reserve([(keys[0], 10)]) == [None]
+        stats = c.stats()
+        assert stats["chunks"] == 8
+        assert stats["stored_bytes"] == sum(map(len, chunks.values()))
+        assert stats["pinned_leases"] == 0
+
+
+def test_http_round_trip_gives_identical_bytes(sidecar_factory) -> None:
+    proc = sidecar_factory("16Mi")
+    c = SidecarClient(proc.info["url"])
+    data = payload(3 * 2**20 + 7, 3)
+    k = key(1, "b")
+    assert c.get(k) is None
+    assert c.put(k, data) is True
+    assert c.put(k, data) is True  # already there
+    assert c.lookup([k]) == 1
+    assert c.get(k) == data
+    assert c.delete(k) is True
+    assert c.delete(k) is False
+    assert c.get(k) is None
+    assert c.put(k, b"") is True and c.get(k) == b""
+    c.close()
+
+
+def test_arena_path_found_through_v1_arena_and_http_control(sidecar_factory, tmp_path) -> None:
+    """Without shm_path the client asks GET /v1/arena; both control transports give the same result."""
+    proc = sidecar_factory("8Mi")
+    c = SidecarClient(proc.info["url"])
+    info = c._json("GET", "/v1/arena")
+    assert info["path"] == str(proc.info["arena_dir"] / "arena") and info["size"] == 8 * 2**20
+    (slot,) = c.reserve([(key(5), 1000)])
+    c.arena()[slot.offset : slot.offset + 1000] = b"x" * 1000
+    c.commit([slot])
+    # the HTTP transport of the same operations
+    answer = c._json("POST", "/v1/arena/pin", {"keys": [key(5)]})
+    assert answer["slots"] == [{"key": key(5), "offset": slot.offset, "length": 1000}]
+    c._json("POST", "/v1/arena/release", {"lease": answer["lease"]})
+    assert c.get(key(5)) == b"x" * 1000
+    c.close()
+
+
+def test_abort_frees_the_reservation(sidecar_factory) -> None:
+    proc = sidecar_factory("1Mi")
+    c = SidecarClient(proc.info["url"])
+    (slot,) = c.reserve([(key(1), 2**20)])
+    assert slot is not None
+    assert c.reserve([(key(2), 2**20)]) == [None]  # the reserved chunk is never evicted
+    c.abort([slot])
+    assert c.lookup([key(1)]) == 0
+    assert c.reserve([(key(2), 2**20)])[0] is not None
+    c.close()
+
+
+def test_many_clients_at_once(sidecar_factory) -> None:
+    """One client per TP rank, in threads: concurrent save/pin/load of the same and different keys."""
+    proc = sidecar_factory("32Mi")
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            c = SidecarClient(proc.info["url"], timeout=10)
+            arena = c.arena()
+            for round_ in range(20):
+                keys = [key(r * 1000 + round_ * 10 + j, "c") for j in range(4)] + [key(round_, "d")]
+                data = {k: (k.encode() * 200)[: 4096 + j] for j, k in enumerate(keys)}
+                slots = c.reserve([(k, len(v)) for k, v in data.items()])
+                for s in slots:
+                    if s is not None:
+                        arena[s.offset : s.offset + s.length] = data[s.key]
+                c.commit([s for s in slots if s is not None])
+                pinned = c.pin(keys[:4])
+                for s in pinned.slots:
+                    assert checksum(arena[s.offset : s.offset + s.length]) == checksum(data[s.key])
+                c.release(pinned.lease)
+            c.close()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_unreachable_sidecar_is_a_sidecar_error() -> None:
+    from kvtest import free_port
+
+    c = SidecarClient(f"http://127.0.0.1:{free_port()}", timeout=0.5)
+    assert c.healthz() is False
+    with pytest.raises(SidecarError):
+        c.lookup([key(1)])
+    with pytest.raises(SidecarError):
+        c.reserve([(key(1), 10)])
