@@ -234,7 +234,9 @@ class Store:
                 if e is not None and not e.stored and e.offset == slot.offset and e.length == slot.length:
                     self._drop(e)
 
-    def pin(self, keys: Sequence[str]) -> tuple[str, list[Slot]]:
+    def pin(
+        self, keys: Sequence[str], *, promote: bool = True, account: bool = True
+    ) -> tuple[str, list[Slot]]:
         """Pins the longest loadable prefix of `keys` (bytes verified), promoting from Redis when needed."""
         lease_id = secrets.token_hex(16)
         entries: list[Entry] = []
@@ -255,12 +257,13 @@ class Store:
                 for e in entries[good:]:
                     self._unpin(e)
             del entries[good:]
-        if len(entries) < len(keys):  # a corrupt chunk may still have a good copy in Redis
+        if promote and len(entries) < len(keys):  # a corrupt chunk may still have a good copy in Redis
             self._promote_into(keys[len(entries) :], lease)
         with self._lock:
             if lease.expired:  # expired while we worked: hand nothing out
                 return lease_id, []
-            self.counters.bytes_out += sum(e.length for e in entries)
+            if account:
+                self.counters.bytes_out += sum(e.length for e in entries)
             return lease_id, [Slot(e.key, e.offset, e.length) for e in entries]
 
     def release(self, lease_id: str) -> bool:
@@ -343,9 +346,15 @@ class Store:
             self.counters.promotions += 1
             return self._pin_into(e, lease)
 
+    def describe(self, key: str) -> tuple[int, int] | None:
+        """(checksum, priority) of a stored chunk."""
+        with self._lock:
+            e = self._entries.get(key)
+            return (e.checksum, e.priority) if e is not None and e.stored else None
+
     @contextlib.contextmanager
-    def pinned(self, keys: Sequence[str]) -> Iterator[list[Slot]]:
-        lease_id, slots = self.pin(keys)
+    def pinned(self, keys: Sequence[str], **kwargs: bool) -> Iterator[list[Slot]]:
+        lease_id, slots = self.pin(keys, **kwargs)
         try:
             yield slots
         finally:

@@ -1,0 +1,412 @@
+"""The Redis tier: write-behind of committed chunks, lookups and loads on a CPU miss, several shards.
+
+- Saves never wait on Redis: committed keys go into a bounded queue; when it is full the save is
+  simply not written behind (counted as dropped). One writer thread drains it, reading the bytes
+  straight from the arena while the chunk is pinned (its checksum verified first).
+- A chunk is stored as pieces of at most 4 MiB (Redis is slow with large values) and then a small
+  meta record; all its keys share the hash tag {key}, so in a Redis Cluster they live in one slot.
+  Meta is written after the pieces, so a reader that finds the meta finds whole pieces; the
+  checksum in the meta is checked on every read.
+- Shards are chosen by rendezvous hashing of the chunk key (adding a shard moves ~1/n of keys).
+- A shard that fails is marked down at once and skipped (a miss, a dropped write) until the health
+  thread's PING succeeds again; redis-py reconnects on the next command, so recovery needs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.connection import PythonRespSerializer
+from redis.retry import Retry
+
+from kvpool_sidecar.settings import Settings
+from kvpool_sidecar.store import Fetched, Store
+from kvpool_sidecar.wire import checksum
+
+log = logging.getLogger(__name__)
+
+PIECE_BYTES = 4 * 2**20
+_META = struct.Struct(">4sQQiI")  # magic, length, checksum, priority, pieces
+_MAGIC = b"KVP1"
+_ERRORS = (redis.RedisError, OSError)
+
+
+def meta_key(key: str) -> str:
+    return f"kvpool:{{{key}}}:m"
+
+
+def piece_key(key: str, i: int) -> str:
+    return f"kvpool:{{{key}}}:{i}"
+
+
+def piece_count(length: int) -> int:
+    return max(1, -(-length // PIECE_BYTES))
+
+
+class _PythonPacking:
+    """Sends large values as memoryviews without a copy; hiredis's packer copies every value.
+
+    (Measured: with hiredis SET 4 MiB ~0.6 GB/s, with this packer ~2.3 GB/s; replies are still
+    parsed by hiredis, which is what makes GET fast.)
+    """
+
+    def _construct_command_packer(self, packer):  # redis-py hook
+        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+
+
+class _Connection(_PythonPacking, redis.Connection):
+    pass
+
+
+class _SSLConnection(_PythonPacking, redis.SSLConnection):
+    pass
+
+
+def redact(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    netloc = f"{parts.username or ''}:***@{netloc}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def connect(url: str, password: str | None = None) -> redis.Redis | RedisCluster:
+    """A client for one shard URL; redis+cluster:// or ?cluster=true means Redis Cluster."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qs(parts.query)
+    cluster = parts.scheme.endswith("+cluster") or query.pop("cluster", ["false"])[0].lower() in (
+        "1",
+        "true",
+        "yes",
+    )
+    scheme = parts.scheme.removesuffix("+cluster") or "redis"
+    plain = urllib.parse.urlunsplit(
+        parts._replace(scheme=scheme, query=urllib.parse.urlencode(query, doseq=True))
+    )
+    kwargs: dict = {
+        "socket_connect_timeout": 0.5,
+        "socket_timeout": 5.0,
+        "connection_class": _SSLConnection if scheme == "rediss" else _Connection,
+    }
+    if parts.password is None and password:
+        kwargs["password"] = password
+    if cluster:
+        return RedisCluster.from_url(plain, **kwargs)
+    return redis.Redis.from_url(plain, retry=Retry(NoBackoff(), 1), **kwargs)
+
+
+@dataclass(eq=False)
+class Shard:
+    url: str  # as given (may hold a password): never logged
+    client: redis.Redis | RedisCluster
+    name: str = ""
+    up: bool = False
+    reason: str = "not checked yet"
+
+    def __post_init__(self) -> None:
+        self.name = redact(self.url)
+        self._id = self.name.encode()
+
+    def score(self, key: str) -> int:
+        return checksum(self._id + key.encode())
+
+    def down(self, error: BaseException) -> None:
+        if self.up:
+            log.warning("redis shard %s is down: %r", self.name, error)
+        self.up = False
+        self.reason = f"{type(error).__name__}: {error}"
+
+
+@dataclass
+class TierCounters:
+    queued: int = 0
+    written: int = 0
+    dropped: int = 0  # saves not written behind: queue full, shard down, or evicted before their turn
+    write_errors: int = 0
+    bytes_written: int = 0
+    hits: int = 0
+    misses: int = 0
+    read_errors: int = 0
+    bytes_read: int = 0
+
+
+@dataclass(eq=False)
+class RedisTier:
+    store: Store
+    urls: tuple[str, ...]
+    password: str | None = None
+    queue_chunks: int = 256
+    urls_file: Path | None = None
+    health_interval: float = 1.0
+    counters: TierCounters = field(default_factory=TierCounters)
+
+    def __post_init__(self) -> None:
+        self._shards: list[Shard] = []
+        self._queue: queue.Queue[tuple[str, str]] = queue.Queue(self.queue_chunks)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._file_state: tuple[float, int] | None = None
+        self._set_urls(self._read_urls_file() or self.urls)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, store: Store) -> RedisTier:
+        return cls(
+            store,
+            settings.redis_urls,
+            password=settings.redis_password,
+            queue_chunks=settings.redis_queue_chunks,
+            urls_file=settings.redis_urls_file,
+        )
+
+    # --- shards -------------------------------------------------------------------------------------
+
+    def _set_urls(self, urls: Sequence[str]) -> None:
+        with self._lock:
+            old = {s.url: s for s in self._shards}
+        shards = [
+            old.pop(u) if u in old else Shard(u, connect(u, self.password)) for u in dict.fromkeys(urls)
+        ]
+        with self._lock:
+            self._shards = shards
+        for gone in old.values():
+            gone.client.close()
+        log.info("redis tier shards: %s", ", ".join(s.name for s in shards) or "none")
+
+    def _read_urls_file(self) -> list[str] | None:
+        """The shard list from --redis-urls-file; None when absent or unchanged since the last read."""
+        if self.urls_file is None:
+            return None
+        try:
+            st = self.urls_file.stat()
+            state = (st.st_mtime, st.st_size)
+            if state == self._file_state:
+                return None
+            text = self.urls_file.read_text()
+        except OSError as e:
+            log.warning("cannot read %s: %r", self.urls_file, e)
+            return None
+        self._file_state = state
+        return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+    def shard_for(self, key: str) -> Shard | None:
+        shards = self._shards
+        return max(shards, key=lambda s: s.score(key)) if shards else None
+
+    # --- state --------------------------------------------------------------------------------------
+
+    def usable(self) -> bool:
+        return any(s.up for s in self._shards)
+
+    def health(self) -> tuple[bool, str]:
+        shards = self._shards
+        if not shards:
+            return False, "redis tier configured but no shard URLs (check --redis-urls-file)"
+        down = [s for s in shards if not s.up]
+        if down:
+            return False, "redis unreachable: " + "; ".join(f"{s.name}: {s.reason}" for s in down)
+        return True, "ok"
+
+    def stats(self) -> dict:
+        c = self.counters
+        ok, reason = self.health()
+        return {
+            "ready": ok,
+            "reason": reason,
+            "shards": len(self._shards),
+            "shards_up": sum(1 for s in self._shards if s.up),
+            "queued": self._queue.qsize(),
+            "written": c.written,
+            "dropped": c.dropped,
+            "write_errors": c.write_errors,
+            "bytes_written": c.bytes_written,
+            "hits": c.hits,
+            "misses": c.misses,
+            "read_errors": c.read_errors,
+            "bytes_read": c.bytes_read,
+        }
+
+    # --- threads ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.check_health()
+        for target, name in (
+            (self._write_loop, "kvpool-redis-writer"),
+            (self._health_loop, "kvpool-redis-health"),
+        ):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._queue.put(("", ""))  # wake the writer; its slot is free or it is busy and will see _stop
+        for t in self._threads:
+            t.join(timeout=5)
+        for s in self._shards:
+            s.client.close()
+
+    def check_health(self) -> None:
+        for s in self._shards:
+            try:
+                s.client.ping()
+            except _ERRORS as e:
+                s.down(e)
+                continue
+            if not s.up:
+                log.info("redis shard %s is up", s.name)
+            s.up, s.reason = True, "ok"
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.health_interval):
+            urls = self._read_urls_file()
+            if urls is not None and urls != [s.url for s in self._shards]:
+                try:
+                    self._set_urls(urls)
+                except (ValueError, *_ERRORS) as e:
+                    log.warning("bad redis URL in %s: %r", self.urls_file, e)
+            self.check_health()
+
+    # --- write-behind -------------------------------------------------------------------------------
+
+    def saved(self, key: str) -> None:
+        """Called on commit: queue the chunk for Redis; never waits."""
+        self._enqueue("set", key)
+
+    def deleted(self, key: str) -> None:
+        self._enqueue("del", key)
+
+    def _enqueue(self, op: str, key: str) -> None:
+        try:
+            self._queue.put_nowait((op, key))
+        except queue.Full:
+            self.counters.dropped += 1
+
+    def _write_loop(self) -> None:
+        while not self._stop.is_set():
+            op, key = self._queue.get()
+            if not key:
+                continue
+            try:
+                if op == "set":
+                    self.write(key)
+                else:
+                    self.remove(key)
+            except Exception:  # never let the writer die
+                log.exception("redis write-behind of %s failed", key)
+                self.counters.write_errors += 1
+
+    def write(self, key: str) -> bool:
+        """Copies a chunk from the arena into its shard. False when not written (counted)."""
+        shard = self.shard_for(key)
+        if shard is None or not shard.up:
+            self.counters.dropped += 1
+            return False
+        with self.store.pinned([key], promote=False, account=False) as slots:
+            if not slots:  # evicted (or corrupt: dropped and counted by the store) before its turn
+                self.counters.dropped += 1
+                return False
+            slot = slots[0]
+            entry_meta = self.store.describe(key)
+            if entry_meta is None:
+                self.counters.dropped += 1
+                return False
+            digest, priority = entry_meta
+            view = self.store.arena.view[slot.offset : slot.offset + slot.length]
+            try:
+                if shard.client.exists(meta_key(key)):
+                    return True  # another pod wrote it already
+                n = piece_count(slot.length)
+                pipe = shard.client.pipeline(transaction=False)
+                for i in range(n):
+                    pipe.set(piece_key(key, i), view[i * PIECE_BYTES : (i + 1) * PIECE_BYTES])
+                pipe.set(meta_key(key), _META.pack(_MAGIC, slot.length, digest, priority, n))
+                pipe.execute()
+            except _ERRORS as e:
+                shard.down(e)
+                self.counters.write_errors += 1
+                return False
+            finally:
+                view.release()
+        self.counters.written += 1
+        self.counters.bytes_written += slot.length
+        return True
+
+    def remove(self, key: str) -> None:
+        shard = self.shard_for(key)
+        if shard is None or not shard.up:
+            return
+        try:
+            raw = shard.client.get(meta_key(key))
+            n = _META.unpack(raw)[4] if raw and len(raw) == _META.size else 0
+            shard.client.delete(meta_key(key))  # meta first: readers stop finding it at once
+            if n:
+                shard.client.delete(*(piece_key(key, i) for i in range(n)))
+        except _ERRORS as e:
+            shard.down(e)
+
+    # --- reads --------------------------------------------------------------------------------------
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Pipelined EXISTS of each key's meta, one round trip per shard; a shard that is down says no."""
+        by_shard: dict[int, tuple[Shard, list[int]]] = {}
+        for i, key in enumerate(keys):
+            shard = self.shard_for(key)
+            if shard is not None and shard.up:
+                by_shard.setdefault(id(shard), (shard, []))[1].append(i)
+        found = [False] * len(keys)
+        for shard, idx in by_shard.values():
+            try:
+                pipe = shard.client.pipeline(transaction=False)
+                for i in idx:
+                    pipe.exists(meta_key(keys[i]))
+                for i, n in zip(idx, pipe.execute(), strict=True):
+                    found[i] = bool(n)
+            except _ERRORS as e:
+                shard.down(e)
+        return found
+
+    def fetch(self, key: str) -> Fetched | None:
+        """The chunk's pieces and meta from its shard (checked by the store against the checksum)."""
+        shard = self.shard_for(key)
+        if shard is None or not shard.up:
+            return None
+        try:
+            raw = shard.client.get(meta_key(key))
+            if raw is None:
+                self.counters.misses += 1
+                return None
+            if len(raw) != _META.size or raw[:4] != _MAGIC:
+                self.counters.read_errors += 1
+                return None
+            _, length, digest, priority, n = _META.unpack(raw)
+            if n != piece_count(length) or length > self.store.capacity:
+                self.counters.read_errors += 1
+                return None
+            pipe = shard.client.pipeline(transaction=False)
+            for i in range(n):
+                pipe.get(piece_key(key, i))
+            pieces = pipe.execute()
+        except _ERRORS as e:
+            shard.down(e)
+            self.counters.read_errors += 1
+            return None
+        if any(p is None for p in pieces) or sum(map(len, pieces)) != length:
+            self.counters.read_errors += 1  # a piece was evicted by Redis: the chunk is gone
+            return None
+        self.counters.hits += 1
+        self.counters.bytes_read += length
+        return Fetched(length=length, checksum=digest, priority=priority, pieces=pieces)

@@ -1,0 +1,150 @@
+"""The Redis tier against real redis-server processes and real sidecar processes."""
+
+from __future__ import annotations
+
+import signal
+
+from kvtest import RedisServer, wait_until
+from sidecar_support import key, load, payload, redis_call, redis_stats, redis_with, save
+
+from kvpool_sidecar.client import SidecarClient
+
+
+def client(proc) -> SidecarClient:
+    return SidecarClient(proc.info["url"], timeout=10, shm_path=str(proc.info["arena_dir"]))
+
+
+def test_two_sidecars_sharing_one_redis_cross_pod_hit(sidecar_factory, redis) -> None:
+    a, b = sidecar_factory("64Mi", [redis.url]), sidecar_factory("64Mi", [redis.url])
+    ca, cb = client(a), client(b)
+    chunks = {key(i): payload(n, i) for i, n in enumerate([9 * 2**20 + 5, 4 * 2**20, 1000])}  # 3, 1, 1 pieces
+    keys = list(chunks)
+    assert save(ca, chunks) == keys
+    wait_until(lambda: redis_stats(ca)["written"] == 3, 30, "write-behind of 3 chunks")
+    assert cb.lookup(keys) == 3  # found in Redis by the other pod
+    assert load(cb, keys) == chunks  # promoted into b's arena, byte for byte
+    assert cb.stats()["promotions"] == 3
+    assert cb.get(keys[0]) == chunks[keys[0]]  # now a CPU hit in b
+    # and over HTTP only: a chunk PUT into a is a GET hit in b
+    k = key(99)
+    assert ca.put(k, b"over http" * 1000)
+    wait_until(lambda: redis_stats(ca)["written"] == 4, 30, "write-behind of the PUT chunk")
+    assert cb.get(k) == b"over http" * 1000
+
+
+def test_redis_stopped_mid_run_then_back_on_the_same_port(sidecar_factory, redis: RedisServer) -> None:
+    proc = sidecar_factory("32Mi", [redis.url])
+    c = client(proc)
+    assert c.readyz() == (True, "ok")
+    first = {key(i, "r1"): payload(50_000, i) for i in range(4)}
+    save(c, first)
+    wait_until(lambda: redis_stats(c)["written"] == 4, 30, "write-behind before the outage")
+
+    redis.stop()
+    _, reason = wait_until(lambda: (r := c.readyz()) and not r[0] and r, 30, "readiness to report Redis down")
+    assert "redis" in reason.lower() and str(redis.port) in reason
+    # saves and CPU hits keep working while Redis is away
+    during = {key(i, "r2"): payload(50_000, 100 + i) for i in range(4)}
+    assert save(c, during) == list(during)
+    assert load(c, list(first) + list(during)) == {**first, **during}
+    assert c.put(key(7, "r2"), b"during") and c.get(key(7, "r2")) == b"during"
+    assert c.lookup([key(1, "absent")]) == 0  # a miss, not an error
+    stats = redis_stats(c)
+    assert stats["ready"] is False and stats["dropped"] >= 1
+
+    redis.start()  # the same port, an empty Redis
+    wait_until(lambda: c.readyz()[0], 30, "readiness to recover by itself")
+    after = {key(i, "r3"): payload(60_000, 200 + i) for i in range(2)}
+    save(c, after)
+    wait_until(lambda: redis_stats(c)["written"] == 6, 30, "write-behind after the outage")
+    for k in after:
+        assert b":1" in redis_call(redis.port, "EXISTS", f"kvpool:{{{k}}}:m")
+
+
+def test_write_behind_never_blocks_a_save_and_counts_what_it_drops(sidecar_factory, redis) -> None:
+    proc = sidecar_factory("64Mi", [redis.url], "--redis-queue-chunks", "2")
+    c = client(proc)
+    redis.proc.popen.send_signal(signal.SIGSTOP)  # Redis hangs: the writer blocks on its socket
+    try:
+        chunks = {key(i, "q"): payload(100_000, i) for i in range(20)}
+        for k, v in chunks.items():  # one commit per chunk, each returns without waiting on Redis
+            assert save(c, {k: v}) == [k]
+        assert c.lookup(list(chunks)) == 20
+        wait_until(lambda: redis_stats(c)["dropped"] >= 17, 10, "queue-full drops to be counted")
+    finally:
+        redis.proc.popen.send_signal(signal.SIGCONT)
+
+
+def test_rendezvous_sharding_across_two_redis(sidecar_factory, redis) -> None:
+    with redis_with() as (port2, _):
+        url2 = f"redis://127.0.0.1:{port2}/0"
+        a = sidecar_factory("64Mi", [redis.url, url2])
+        b = sidecar_factory("64Mi", [url2, redis.url])  # order does not matter to rendezvous hashing
+        ca, cb = client(a), client(b)
+        chunks = {key(i, "s"): payload(10_000, i) for i in range(40)}
+        save(ca, chunks)
+        wait_until(lambda: redis_stats(ca)["written"] == 40, 30, "write-behind of 40 chunks")
+        counts = [int(redis_call(p, "DBSIZE").strip(b":\r\n")) for p in (redis.port, port2)]
+        assert all(n > 0 for n in counts) and sum(counts) == 80  # 40 metas + 40 pieces
+        assert load(cb, list(chunks)) == chunks
+
+
+def test_redis_cluster_url(sidecar_factory, redis_cluster: int) -> None:
+    url = f"redis+cluster://127.0.0.1:{redis_cluster}"
+    a = sidecar_factory("64Mi", [url])
+    b = sidecar_factory("64Mi", [f"redis://127.0.0.1:{redis_cluster}?cluster=true"])
+    ca, cb = client(a), client(b)
+    assert ca.readyz()[0] and cb.readyz()[0]
+    chunks = {key(i, "c"): payload(5 * 2**20 if i == 0 else 30_000, i) for i in range(5)}
+    save(ca, chunks)
+    wait_until(lambda: redis_stats(ca)["written"] == 5, 30, "write-behind into the cluster")
+    assert cb.lookup(list(chunks)) == 5
+    assert load(cb, list(chunks)) == chunks
+
+
+def test_password_from_the_url_or_the_environment(sidecar_factory) -> None:
+    with redis_with(password="s3cret") as (port, _):
+        in_url = sidecar_factory("16Mi", [f"redis://:s3cret@127.0.0.1:{port}/0"])
+        wait_until(lambda: client(in_url).readyz()[0], 15, "auth with the URL's password")
+        assert "s3cret" not in str(client(in_url).stats())
+        # the same URL without a password and nothing in the environment: not ready, says why
+        no_pw = sidecar_factory("16Mi", [f"redis://127.0.0.1:{port}/0"])
+        ready, reason = client(no_pw).readyz()
+        assert not ready and "auth" in reason.lower()
+
+
+def test_password_from_environment(tmp_path, monkeypatch) -> None:
+    from kvtest import start_sidecar
+
+    with redis_with(password="envpw") as (port, _):
+        monkeypatch.setenv("KVPOOL_REDIS_PASSWORD", "envpw")
+        proc = start_sidecar(tmp_path, "16Mi", [f"redis://127.0.0.1:{port}/0"])
+        try:
+            wait_until(lambda: client(proc).readyz()[0], 15, "auth with KVPOOL_REDIS_PASSWORD")
+        finally:
+            proc.stop()
+
+
+def test_redis_urls_file_is_re_read(sidecar_factory, redis, tmp_path) -> None:
+    urls = tmp_path / "redis-urls"
+    urls.write_text("")
+    proc = sidecar_factory("16Mi", [], "--redis-urls-file", str(urls))
+    c = client(proc)
+    ready, reason = c.readyz()
+    assert not ready and "no shard" in reason
+    urls.write_text(f"# written by the operator\n{redis.url}\n")
+    wait_until(lambda: c.readyz()[0], 30, "the new shard list to be picked up")
+    save(c, {key(1, "f"): b"x" * 5000})
+    wait_until(lambda: redis_stats(c)["written"] == 1, 30, "write-behind to the new shard")
+
+
+def test_a_chunk_changed_in_redis_is_never_served(sidecar_factory, redis) -> None:
+    a, b = sidecar_factory("16Mi", [redis.url]), sidecar_factory("16Mi", [redis.url])
+    ca, cb = client(a), client(b)
+    k = key(1, "x")
+    save(ca, {k: payload(20_000, 1)})
+    wait_until(lambda: redis_stats(ca)["written"] == 1, 30, "write-behind")
+    redis_call(redis.port, "SETRANGE", f"kvpool:{{{k}}}:0", "100", "tampered")
+    assert load(cb, [k]) == {}
+    assert cb.get(k) is None
+    assert cb.stats()["corrupt_dropped"] == 2
