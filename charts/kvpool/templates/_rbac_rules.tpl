@@ -1,0 +1,34 @@
+{{- /* The namespaced permissions of the operator (see rbac.yaml). */ -}}
+{{- define "kvpool.namespacedRules" -}}
+# The pools: kopf watches them, patches its finalizer and annotations, and writes status.
+- apiGroups: [kvpool.dev]
+  resources: [kvcachepools]
+  verbs: [list, watch, patch]
+- apiGroups: [kvpool.dev]
+  resources: [kvcachepools/status]
+  verbs: [patch]
+# Pods: counted for status; their sidecars' /stats are scraped by pod IP.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch]
+# What a pool owns: the connector ConfigMap, the shared tier's Secret, Service and StatefulSet.
+- apiGroups: [""]
+  resources: [configmaps, services]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [get, create, patch]
+# Events for what changed and what is wrong.
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- if not .Values.watch.allNamespaces }}
+# kopf's peering in each watched namespace.
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  verbs: [list, watch, get, patch]
+{{- end }}
+{{- end -}}

@@ -1,0 +1,190 @@
+"""`helm template` with the default values and each example values file, validated by
+`kubernetes-validate --strict` against the oldest Kubernetes the chart supports and the newest known;
+then what the schemas cannot see: probes, security, the webhook's wiring and TLS, selectors."""
+
+from __future__ import annotations
+
+import base64
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from chartkit import CHART, EXAMPLE_VALUES, NAMESPACE, find, of_kind, render_text
+
+VALUES = [None, *EXAMPLE_VALUES]
+VALUE_IDS = ["defaults", *(p.name for p in EXAMPLE_VALUES)]
+KUBERNETES_VERSIONS = ["1.28.0", "1.37.0"]  # Chart.yaml's kubeVersion floor, and the newest known
+# Kinds kubernetes-validate has no schema for; each is checked below by other means.
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor"}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+def test_kubernetes_validate_strict(helm: Path, values_file: Path | None, version: str) -> None:
+    manifest = render_text(values_file)
+    result = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, "-"],
+        input=manifest,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ERROR" not in result.stdout
+    unknown = set(re.findall(r"Couldn't find schema for kind (\S+)", result.stdout))
+    assert unknown <= CUSTOM_KINDS, f"not validated: {unknown - CUSTOM_KINDS}"
+    passed = re.findall(r"passed for resource (\S+)/", result.stdout)
+    assert len(passed) + result.stdout.count("WARN") == len([d for d in yaml.safe_load_all(manifest) if d])
+
+
+def _crd_schema(objects: list[dict], kind: str) -> dict:
+    crd = next(o for o in of_kind(objects, "CustomResourceDefinition") if o["spec"]["names"]["kind"] == kind)
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+def test_peering_objects_match_their_crd(rendered: Callable, values_file: Path | None) -> None:
+    objects = rendered(values_file)
+    peerings = of_kind(objects, "ClusterKopfPeering") + of_kind(objects, "KopfPeering")
+    assert peerings, "the chart creates the peering object kopf needs"
+    for peering in peerings:
+        jsonschema.validate(peering, _crd_schema(objects, peering["kind"]))
+        assert peering["metadata"]["name"] == "kvpool" or values_file is not None
+
+
+def _operator(objects: list[dict]) -> dict:
+    return find(objects, "Deployment")["spec"]["template"]
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+def test_operator_pod_is_locked_down(rendered: Callable, values_file: Path | None) -> None:
+    pod = _operator(rendered(values_file))
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["runAsUser"] != 0
+    for c in pod["spec"]["containers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
+    spec = pod["spec"]
+    assert not spec.get("hostNetwork") and not spec.get("hostIPC") and not spec.get("hostPID")
+    assert all("hostPath" not in v for v in spec["volumes"])
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+def test_probes_use_kopfs_liveness_endpoint(rendered: Callable, values_file: Path | None) -> None:
+    container = _operator(rendered(values_file))["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    liveness = next(a for a in container["args"] if a.startswith("--liveness="))
+    url = re.fullmatch(r"--liveness=http://0\.0\.0\.0:(\d+)(/\S+)", liveness)
+    assert url, liveness
+    for probe in ("startupProbe", "livenessProbe"):
+        get = container[probe]["httpGet"]
+        assert ports[get["port"]] == int(url.group(1)) and get["path"] == url.group(2)
+    assert ports[container["readinessProbe"]["tcpSocket"]["port"]] == ports["webhook"]
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+def test_webhook_is_wired_to_the_operator(rendered: Callable, values_file: Path | None) -> None:
+    objects = rendered(values_file)
+    pod = _operator(objects)
+    container = pod["spec"]["containers"][0]
+    (hook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
+    assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None" and hook["timeoutSeconds"] <= 5
+    assert hook["rules"] == [
+        {
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "operations": ["CREATE"],
+            "resources": ["pods"],
+            "scope": "Namespaced",
+        }
+    ]
+    ref = hook["clientConfig"]["service"]
+    assert ref["path"] == "/kvpool-inject" and ref["namespace"] == NAMESPACE
+    service = find(objects, "Service", ref["name"])
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]]
+    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+    labels = pod["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+    # The operator's own pods are never sent to its webhook.
+    assert {"key": "kvpool.dev/inject", "operator": "NotIn", "values": ["false"]} in hook["objectSelector"][
+        "matchExpressions"
+    ]
+    assert labels["kvpool.dev/inject"] == "false"
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+def test_webhook_certificate_is_signed_by_the_ca_bundle(
+    rendered: Callable, values_file: Path | None, tmp_path: Path
+) -> None:
+    objects = rendered(values_file)
+    (hook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
+    ref = hook["clientConfig"]["service"]
+    secret = next(s for s in of_kind(objects, "Secret") if s["type"] == "kubernetes.io/tls")
+    (tmp_path / "ca.crt").write_bytes(base64.b64decode(hook["clientConfig"]["caBundle"]))
+    (tmp_path / "tls.crt").write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
+    (tmp_path / "tls.key").write_bytes(base64.b64decode(secret["data"]["tls.key"]))
+    dns = f"{ref['name']}.{ref['namespace']}.svc"
+    verify = subprocess.run(
+        ["openssl", "verify", "-verify_hostname", dns, "-CAfile", tmp_path / "ca.crt", tmp_path / "tls.crt"],
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    key_pub = subprocess.run(
+        ["openssl", "pkey", "-in", tmp_path / "tls.key", "-pubout"], capture_output=True, text=True
+    ).stdout
+    cert_pub = subprocess.run(
+        ["openssl", "x509", "-in", tmp_path / "tls.crt", "-pubkey", "-noout"], capture_output=True, text=True
+    ).stdout
+    assert key_pub and key_pub == cert_pub, "the key does not belong to the certificate"
+    # The operator serves the Secret's files.
+    pod = _operator(objects)
+    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "webhook-tls")
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "webhook-tls")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    args = pod["spec"]["containers"][0]["args"]
+    assert f"--webhook-cert={mount['mountPath']}/tls.crt" in args
+    assert f"--webhook-key={mount['mountPath']}/tls.key" in args
+
+
+def test_namespaced_install_stays_in_its_namespaces(rendered: Callable) -> None:
+    values = CHART / "ci" / "namespaced-values.yaml"
+    watched = yaml.safe_load(values.read_text())["watch"]["namespaces"]
+    objects = rendered(values)
+    args = _operator(objects)["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" not in args
+    assert [a for a in args if a.startswith("--namespace=")] == [f"--namespace={n}" for n in watched]
+    assert sorted(b["metadata"]["namespace"] for b in of_kind(objects, "RoleBinding")) == sorted(watched)
+    assert sorted(p["metadata"]["namespace"] for p in of_kind(objects, "KopfPeering")) == sorted(watched)
+    assert not of_kind(objects, "ClusterKopfPeering")
+    (hook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
+    assert hook["namespaceSelector"]["matchExpressions"] == [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": watched}
+    ]
+    # Only the namespaced role's binding is cluster-wide-free.
+    assert [b["roleRef"]["name"] for b in of_kind(objects, "ClusterRoleBinding")] == ["kvp-kvpool-cluster"]
+
+
+def test_disruption_budget_selects_the_operator(rendered: Callable) -> None:
+    objects = rendered(CHART / "ci" / "namespaced-values.yaml")
+    pdb = find(objects, "PodDisruptionBudget")
+    labels = _operator(objects)["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
+    assert find(objects, "Deployment")["spec"]["replicas"] > pdb["spec"]["minAvailable"]
+    assert not of_kind(rendered(None), "PodDisruptionBudget")
+
+
+def test_pod_monitor_scrapes_the_sidecars(rendered: Callable) -> None:
+    assert not of_kind(rendered(None), "PodMonitor")
+    monitor = find(rendered(CHART / "ci" / "monitoring-values.yaml"), "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
