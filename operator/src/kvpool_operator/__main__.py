@@ -1,0 +1,3 @@
+from kvpool_operator.cli import main
+
+main()

@@ -1,0 +1,146 @@
+"""`kvpool-operator`: flags (each with a KVPOOL_<FLAG> environment fallback) -> a running kopf operator."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+
+from kvpool_operator.handlers import register
+from kvpool_operator.scaling import MemorySource, redis_info_source
+from kvpool_operator.settings import DEFAULT_SIDECAR_IMAGE, OperatorSettings
+from kvpool_operator.webhook import WebhookServer
+
+
+def _env(flag: str, default: Any) -> Any:
+    return os.environ.get("KVPOOL_" + flag.upper().replace("-", "_"), default)
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpool-operator", description=__doc__)
+    p.add_argument(
+        "--namespace",
+        action="append",
+        default=None,
+        help="watch only this namespace (repeatable; env: comma-separated) [all namespaces]",
+    )
+    p.add_argument("--all-namespaces", action="store_true", help="watch every namespace (the default)")
+    p.add_argument("--peering", default=_env("peering", "kvpool"), help="kopf peering name [kvpool]")
+    p.add_argument(
+        "--standalone",
+        action="store_true",
+        default=_truthy(_env("standalone", "")),
+        help="no peering (development only: two replicas would both act)",
+    )
+    p.add_argument("--liveness", default=_env("liveness", "http://0.0.0.0:8080/healthz"))
+    p.add_argument("--webhook-addr", default=_env("webhook-addr", "0.0.0.0"))
+    p.add_argument("--webhook-port", type=int, default=int(_env("webhook-port", 9443)))
+    p.add_argument("--webhook-cert", default=_env("webhook-cert", None), help="TLS certificate (PEM)")
+    p.add_argument("--webhook-key", default=_env("webhook-key", None), help="TLS private key (PEM)")
+    p.add_argument(
+        "--webhook-insecure",
+        action="store_true",
+        default=_truthy(_env("webhook-insecure", "")),
+        help="plain HTTP (tests, or TLS terminated in front)",
+    )
+    p.add_argument("--stats-interval", type=float, default=float(_env("stats-interval", 30)))
+    p.add_argument("--scale-cooldown", type=float, default=float(_env("scale-cooldown", 300)))
+    p.add_argument("--sidecar-image", default=_env("sidecar-image", DEFAULT_SIDECAR_IMAGE))
+    p.add_argument(
+        "--legacy-sidecar",
+        action="store_true",
+        default=_truthy(_env("legacy-sidecar", "")),
+        help="clusters older than 1.29: the sidecar as a plain container, not a native sidecar",
+    )
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+@dataclass
+class Operator:
+    """Everything kopf.operator() needs, built the same way for the CLI and for tests."""
+
+    registry: kopf.OperatorRegistry
+    settings: kopf.OperatorSettings
+    memo: kopf.Memo
+    clusterwide: bool
+    namespaces: list[str]
+    peering_name: str
+    standalone: bool
+    liveness_endpoint: str | None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "registry": self.registry,
+            "settings": self.settings,
+            "memo": self.memo,
+            "clusterwide": self.clusterwide,
+            "namespaces": self.namespaces,
+            "peering_name": self.peering_name,
+            "standalone": self.standalone,
+            "liveness_endpoint": self.liveness_endpoint,
+        }
+
+
+def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None = None) -> Operator:
+    args = parser().parse_args(argv)
+    namespaces = args.namespace or [n for n in str(_env("namespace", "")).split(",") if n]
+    ours = OperatorSettings(
+        stats_interval=args.stats_interval,
+        scale_cooldown=args.scale_cooldown,
+        sidecar_image=args.sidecar_image,
+        legacy_sidecar=args.legacy_sidecar,
+    )
+    registry = kopf.OperatorRegistry()
+    register(registry, ours)
+
+    settings = kopf.OperatorSettings()
+    settings.peering.name = args.peering
+    settings.peering.standalone = args.standalone
+    settings.peering.clusterwide = not namespaces
+    settings.peering.mandatory = not args.standalone
+    settings.posting.level = logging.WARNING  # kopf's per-handler "succeeded" events are noise
+    settings.persistence.finalizer = "kvpool.dev/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvpool.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kvpool.dev", key="last-handled-configuration"
+    )
+    settings.admission.server = WebhookServer(
+        addr=args.webhook_addr,
+        port=args.webhook_port,
+        certfile=args.webhook_cert,
+        pkeyfile=args.webhook_key,
+        insecure=args.webhook_insecure,
+    )
+    settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
+    memo = kopf.Memo(settings=ours, memory_source=memory_source or redis_info_source(ours.scrape_timeout))
+    return Operator(
+        registry=registry,
+        settings=settings,
+        memo=memo,
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        peering_name=args.peering,
+        standalone=args.standalone,
+        liveness_endpoint=args.liveness or None,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    op = build(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if "--verbose" in (argv or []) else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not op.settings.admission.server.insecure and not op.settings.admission.server.certfile:  # type: ignore[union-attr]
+        raise SystemExit("kvpool-operator: give --webhook-cert and --webhook-key, or --webhook-insecure")
+    kopf.run(**op.kwargs())

@@ -1,0 +1,43 @@
+"""Names, labels and paths the operator, the webhook and the sidecar agree on."""
+
+from __future__ import annotations
+
+GROUP = "kvpool.dev"
+VERSION = "v1alpha1"
+PLURAL = "kvcachepools"
+KIND = "KVCachePool"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# pods
+INJECT_ANNOTATION = "kvpool.dev/inject"  # "false" opts a pod out
+POOL_LABEL = "kvpool.dev/pool"  # on injected pods: the pool's name
+CONFIG_HASH_ANNOTATION = "kvpool.dev/config-hash"  # on injected pods: which connector config they run
+STATUS_PORT_ANNOTATION = "kvpool.dev/status-port"  # on injected pods: where the operator reads /stats
+SIDECAR_CONTAINER = "kvpool-sidecar"
+ARENA_VOLUME = "kvpool-arena"
+ARENA_DIR = "/var/run/kvpool"
+REDIS_URLS_VOLUME = "kvpool-redis-urls"
+REDIS_URLS_DIR = "/etc/kvpool/redis"
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+
+# owned objects
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY = "kvpool-operator"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+CONFIG_KEY = "kv-transfer-config.json"  # ConfigMap key: the connector config
+REDIS_URLS_KEY = "redis-urls"  # ConfigMap key: one shard URL a line (the sidecar's --redis-urls-file)
+PASSWORD_KEY = "password"
+REDIS_PORT = 6379
+
+
+def config_map_name(pool: str) -> str:
+    return f"{pool}-kvpool"
+
+
+def redis_name(pool: str) -> str:
+    """The shared tier's StatefulSet, headless Service and password Secret."""
+    return f"{pool}-kvpool-redis"
+
+
+def owned_labels(pool: str, component: str) -> dict[str, str]:
+    return {MANAGED_BY_LABEL: MANAGED_BY, POOL_LABEL: pool, COMPONENT_LABEL: component}

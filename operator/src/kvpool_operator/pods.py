@@ -1,0 +1,88 @@
+"""What the operator reads from a pool's pods: counts for status, and the sidecars' /stats."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from kvpool_operator import names
+
+
+@dataclass(frozen=True)
+class PodCounts:
+    matched: int  # selected by the pool and not opted out
+    ready: int  # injected by this pool and Ready
+    outdated: int  # matched, but not running the pool's current connector config (or no cache at all)
+
+
+def opted_out(pod: Mapping[str, Any]) -> bool:
+    meta = pod.get("metadata") or {}
+    return (meta.get("annotations") or {}).get(names.INJECT_ANNOTATION) == "false" or (
+        meta.get("labels") or {}
+    ).get(names.INJECT_ANNOTATION) == "false"
+
+
+def injected_by(pod: Mapping[str, Any], pool_name: str) -> bool:
+    return (pod.get("metadata", {}).get("labels") or {}).get(names.POOL_LABEL) == pool_name
+
+
+def is_ready(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def count(pods: Iterable[Mapping[str, Any]], pool_name: str, current_hash: str) -> PodCounts:
+    live = [p for p in pods if not opted_out(p) and not p.get("metadata", {}).get("deletionTimestamp")]
+    injected = [p for p in live if injected_by(p, pool_name)]
+    ready = [p for p in injected if is_ready(p)]
+    outdated = [
+        p
+        for p in live
+        if (p["metadata"].get("annotations") or {}).get(names.CONFIG_HASH_ANNOTATION) != current_hash
+    ]
+    return PodCounts(matched=len(live), ready=len(ready), outdated=len(outdated))
+
+
+def stats_url(pod: Mapping[str, Any]) -> str | None:
+    ip = (pod.get("status") or {}).get("podIP")
+    port = (pod.get("metadata", {}).get("annotations") or {}).get(names.STATUS_PORT_ANNOTATION)
+    return f"http://{ip}:{port}/stats" if ip and port else None
+
+
+async def scrape(urls: Iterable[str], timeout: float) -> list[dict[str, Any]]:
+    """The /stats of each sidecar that answers in time; the others are left out (a cache may be down)."""
+
+    async def one(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+        try:
+            async with session.get(url) as rsp:
+                return await rsp.json() if rsp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        found = await asyncio.gather(*(one(session, u) for u in urls))
+    return [s for s in found if isinstance(s, dict)]
+
+
+def aggregate(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The pool's status.stats: sums, and the hit rate over all lookups of all sidecars."""
+
+    def total(key: str) -> int:
+        return sum(int(s.get(key) or 0) for s in stats)
+
+    hits, misses = total("hits"), total("misses")
+    return {
+        "sidecars": len(stats),
+        "hits": hits,
+        "misses": misses,
+        "hitRate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+        "storedBytes": total("stored_bytes"),
+        "capacityBytes": total("capacity_bytes"),
+        "evictions": total("evictions"),
+    }

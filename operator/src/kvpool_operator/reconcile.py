@@ -1,0 +1,113 @@
+"""On create, update and resume of a pool: check it, store its connector config, run its Redis tier."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvpool_operator import conditions, events, names, objects
+from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
+from kvpool_operator.kube import ApiError, Kube
+from kvpool_operator.pool import Pool, parse_pool, problems
+from kvpool_operator.scaling import clamp, shards_to_publish
+
+RETRY_DELAY = 10.0
+
+
+def initial_shards(pool: Pool, current: int | None) -> int:
+    """Shards to run now: the spec's count, or with scaling the running count kept within bounds."""
+    assert pool.redis is not None
+    if pool.scaling is None:
+        return pool.redis.replicas
+    return clamp(current if current is not None else pool.redis.replicas, pool.scaling)
+
+
+async def missing_secret(kube: Kube, pool: Pool) -> str | None:
+    """The name of the external mode's password Secret (or its key) when it is not there."""
+    if pool.redis is None or pool.redis.mode != "external" or not pool.redis.password_secret:
+        return None
+    secret = await kube.get("Secret", pool.namespace, pool.redis.password_secret)
+    if secret is None or pool.redis.password_key not in (secret.get("data") or {}):
+        return f"{pool.redis.password_secret} (key {pool.redis.password_key})"
+    return None
+
+
+async def reconcile(
+    body: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    name: str,
+    namespace: str,
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    memo: Any,
+    **_: Any,
+) -> None:
+    kube: Kube = memo.kube
+    generation = meta.get("generation")
+    now = datetime.datetime.now(datetime.UTC)
+    try:
+        pool = parse_pool(namespace, name, spec, meta.get("uid"))
+        wrong = problems(pool)
+    except ValueError as e:
+        pool, wrong = Pool(namespace, name, {}, uid=meta.get("uid")), [str(e)]
+    patch.status["observedGeneration"] = generation
+    if wrong:
+        ready, degraded = conditions.assess(wrong, None, None)
+        patch.status["conditions"] = conditions.merge(
+            status.get("conditions") or [], [ready, degraded], generation, now
+        )
+        await events.post(kube, pool, "Warning", "InvalidSpec", "; ".join(wrong))
+        return
+
+    config, warnings = kv_transfer_config(pool)
+    text = render(config)
+    owner = objects.owner_reference(body)
+    tier: tuple[int, int] | None = None
+    missing: str | None = None
+    try:
+        urls: list[str] | None = None
+        if pool.shared_tier:
+            urls, tier = await _shared_tier(kube, pool, owner)
+        elif pool.redis is not None:
+            urls = [pool.redis.url or ""]
+            missing = await missing_secret(kube, pool)
+        await kube.ensure("ConfigMap", namespace, objects.config_map(pool, owner, text, urls))
+    except ApiError as e:
+        raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
+
+    ready, degraded = conditions.assess([], missing, tier)
+    patch.status["connectorConfig"] = text
+    patch.status["conditions"] = conditions.merge(
+        status.get("conditions") or [], [ready, degraded], generation, now
+    )
+    for warning in warnings:
+        await events.post(kube, pool, "Warning", "ExtraConfigOverridden", warning)
+    if missing:
+        await events.post(kube, pool, "Warning", "SecretMissing", degraded.message)
+    if status.get("connectorConfig") != text:
+        await events.post(
+            kube,
+            pool,
+            "Normal",
+            "ConfigUpdated",
+            f"connector config {config_hash(text)} stored in ConfigMap {names.config_map_name(name)}; "
+            "running pods keep their config until they are replaced",
+        )
+
+
+async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> tuple[list[str], tuple[int, int]]:
+    ns, name = pool.namespace, names.redis_name(pool.name)
+    await kube.ensure_absent_then_create("Secret", ns, objects.password_secret(pool, owner))
+    await kube.ensure("Service", ns, objects.redis_service(pool, owner))
+    sts = await kube.get("StatefulSet", ns, name)
+    current = (sts or {}).get("spec", {}).get("replicas")
+    desired = initial_shards(pool, current)
+    sts = await kube.ensure("StatefulSet", ns, objects.redis_statefulset(pool, owner, desired))
+    ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+    cm = await kube.get("ConfigMap", ns, names.config_map_name(pool.name))
+    count = shards_to_publish(objects.published_shards(cm), desired, ready)
+    return objects.shard_urls(pool, count), (desired, ready)

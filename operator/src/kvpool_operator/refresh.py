@@ -1,0 +1,133 @@
+"""Every --stats-interval seconds, per pool: count its pods, gather its sidecars' stats, scale its
+shared Redis tier, and write what it found to status (the handler is a kopf timer)."""
+
+from __future__ import annotations
+
+import base64
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvpool_operator import conditions, events, names, objects, pods
+from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
+from kvpool_operator.kube import ApiError, Kube
+from kvpool_operator.pool import Pool, parse_pool, problems
+from kvpool_operator.reconcile import RETRY_DELAY, missing_secret
+from kvpool_operator.scaling import desired_shards, shards_to_publish
+from kvpool_operator.settings import OperatorSettings
+
+
+async def refresh(
+    spec: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    name: str,
+    namespace: str,
+    status: Mapping[str, Any],
+    patch: kopf.Patch,
+    memo: Any,
+    **_: Any,
+) -> None:
+    kube: Kube = memo.kube
+    settings: OperatorSettings = memo.settings
+    try:
+        pool = parse_pool(namespace, name, spec, meta.get("uid"))
+    except ValueError:
+        return  # reconcile reports it
+    if problems(pool):
+        return
+    now = datetime.datetime.now(datetime.UTC)
+    current = config_hash(render(kv_transfer_config(pool)[0]))
+    try:
+        found = await kube.list_pods(namespace, pool.selector)
+        counts = pods.count(found, name, current)
+        urls = [
+            u for p in found if pods.injected_by(p, name) and pods.is_ready(p) and (u := pods.stats_url(p))
+        ]
+        stats = pods.aggregate(await pods.scrape(urls, settings.scrape_timeout))
+        tier: tuple[int, int] | None = None
+        missing: str | None = None
+        if pool.shared_tier:
+            shared = await scale(kube, pool, status.get("sharedTier") or {}, memo, now)
+            patch.status["sharedTier"] = shared
+            tier = (shared["replicas"], shared["readyReplicas"])
+        else:
+            missing = await missing_secret(kube, pool)
+    except ApiError as e:
+        raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
+
+    ready, degraded = conditions.assess([], missing, tier)
+    patch.status["matchedPods"] = counts.matched
+    patch.status["readyPods"] = counts.ready
+    patch.status["outdatedPods"] = counts.outdated
+    patch.status["stats"] = stats
+    patch.status["conditions"] = conditions.merge(
+        status.get("conditions") or [], [ready, degraded], meta.get("generation"), now
+    )
+
+
+async def scale(
+    kube: Kube, pool: Pool, shared: Mapping[str, Any], memo: Any, now: datetime.datetime
+) -> dict[str, Any]:
+    """Resizes the shared tier if its memory says so and publishes the shard list; returns sharedTier."""
+    assert pool.redis is not None
+    settings: OperatorSettings = memo.settings
+    ns, name = pool.namespace, names.redis_name(pool.name)
+    sts = await kube.get("StatefulSet", ns, name)
+    if sts is None:  # reconcile creates it
+        return {"replicas": 0, "readyReplicas": 0}
+    running = int(sts.get("spec", {}).get("replicas") or 0)
+    ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
+    result: dict[str, Any] = {k: v for k, v in shared.items() if k == "lastScaleTime"}
+
+    desired = pool.redis.replicas
+    if pool.scaling is not None:
+        utilization = await memo.memory_source(
+            pool, await _ready_shard_pods(kube, pool), await _password(kube, pool)
+        )
+        if utilization is not None:
+            result["memoryUtilization"] = round(utilization)
+        last = shared.get("lastScaleTime")
+        since = (now - datetime.datetime.fromisoformat(last)).total_seconds() if last else None
+        desired = desired_shards(running, utilization, pool.scaling, since, settings.scale_cooldown)
+
+    cm_name = names.config_map_name(pool.name)
+    published = objects.published_shards(await kube.get("ConfigMap", ns, cm_name))
+    if desired < running:  # sidecars stop using the shards before they go away
+        await _publish(kube, pool, desired)
+        published = desired
+    if desired != running:
+        await kube.patch("StatefulSet", ns, name, {"spec": {"replicas": desired}})
+        result["lastScaleTime"] = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        why = (
+            f" (memory {result['memoryUtilization']}% of target {pool.scaling.target_utilization}%)"
+            if (pool.scaling and "memoryUtilization" in result)
+            else ""
+        )
+        await events.post(
+            kube, pool, "Normal", "Scaled", f"shared Redis tier {running} -> {desired} shards{why}"
+        )
+    count = shards_to_publish(published, desired, ready)
+    if count != published:
+        await _publish(kube, pool, count)
+    result.update(replicas=desired, readyReplicas=ready, publishedShards=count)
+    return result
+
+
+async def _publish(kube: Kube, pool: Pool, count: int) -> None:
+    text = objects.redis_urls_text(objects.shard_urls(pool, count))
+    await kube.patch(
+        "ConfigMap", pool.namespace, names.config_map_name(pool.name), {"data": {names.REDIS_URLS_KEY: text}}
+    )
+
+
+async def _ready_shard_pods(kube: Kube, pool: Pool) -> list[dict[str, Any]]:
+    found = await kube.list_pods(pool.namespace, {"matchLabels": objects.redis_selector(pool)})
+    return [p for p in found if pods.is_ready(p)]
+
+
+async def _password(kube: Kube, pool: Pool) -> str | None:
+    secret = await kube.get("Secret", pool.namespace, names.redis_name(pool.name))
+    raw = ((secret or {}).get("data") or {}).get(names.PASSWORD_KEY)
+    return base64.b64decode(raw).decode() if raw else None

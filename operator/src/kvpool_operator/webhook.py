@@ -1,0 +1,67 @@
+"""The pod-mutating admission webhook (`/kvpool-inject`, served by kopf's WebhookServer).
+
+It fails open: whatever goes wrong, the pod is admitted untouched (and the chart's
+MutatingWebhookConfiguration says failurePolicy: Ignore for when the operator is down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import kopf
+
+from kvpool_operator import events
+from kvpool_operator.injection import decide
+from kvpool_operator.pool import Pool
+
+HANDLER_ID = "kvpool-inject"  # the webhook path is /kvpool-inject
+log = logging.getLogger("kvpool.webhook")
+
+
+class WebhookServer(kopf.WebhookServer):
+    """kopf's server, plus the request's namespace on the object: pods made by controllers arrive
+    without metadata.namespace (and often without a name), and kopf hands handlers only the object."""
+
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        async def with_namespace(request: Any, **kwargs: Any) -> Any:
+            payload = request.get("request") or {}
+            obj = payload.get("object")
+            if isinstance(obj, dict) and payload.get("namespace"):
+                obj.setdefault("metadata", {}).setdefault("namespace", payload["namespace"])
+            return await fn(request, **kwargs)
+
+        async for config in super().__call__(with_namespace):
+            yield config
+
+
+async def inject(
+    body: Any, patch: kopf.Patch, warnings: list[str], memo: Any, pools: Iterable[Pool], dryrun: bool = False
+) -> None:
+    """Sets the patch to the injected pod when exactly one usable pool claims it; never raises."""
+    try:
+        pod = copy.deepcopy(dict(body))
+        namespace = (pod.get("metadata") or {}).get("namespace") or ""
+        decision = decide(pod, namespace, pools, memo.settings)
+        warnings.extend(decision.warnings)
+        if decision.pod is not None:
+            new = decision.pod
+            patch.fns.append(lambda raw: (raw.clear(), raw.update(copy.deepcopy(new))))
+        if decision.warnings and not dryrun:
+            for pool in decision.pools:
+                _background(
+                    memo, events.post(memo.kube, pool, "Warning", "PodNotInjected", decision.warnings[0])
+                )
+    except Exception:
+        log.exception("kvpool-inject failed; admitting the pod untouched")
+        patch.clear()
+
+
+def _background(memo: Any, coro: Any) -> None:
+    """Events are posted after the answer: the API server waits on the webhook, not on events."""
+    task = asyncio.get_running_loop().create_task(coro)
+    memo.background.add(task)
+    task.add_done_callback(memo.background.discard)
