@@ -93,6 +93,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     _add_status_routes(app, sidecar)
     store = sidecar.store
     max_chunk = sidecar.settings.max_chunk_bytes
+    drain_limit = 4 * max_chunk  # oversized bodies up to this are read and discarded, larger ones cut off
 
     @app.post("/v1/lookup", tags=["chunks"], responses=ERRORS)
     async def lookup(req: s.LookupRequest) -> s.LookupResponse:
@@ -130,6 +131,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
             async for piece in _stream(request):
                 data += piece
                 if len(data) > max_chunk:
+                    del data  # nothing kept; read on (bounded) so the client can read the answer
+                    await _drain(request, drain_limit - max_chunk)
                     raise BodyError(413, f"body larger than the largest chunk allowed ({max_chunk} bytes)")
             return store.put(key, data, priority)
         try:
@@ -139,6 +142,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         except ValueError:
             raise BodyError(400, f"bad Content-Length: {declared!r}") from None
         if length > max_chunk:
+            if length <= drain_limit:  # read and discard, so a client that sends first sees the answer
+                await _drain(request, length)
             raise BodyError(
                 413, f"body of {length} bytes is larger than the largest chunk allowed ({max_chunk})"
             )
@@ -164,6 +169,13 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         if slot.length > 1 << 20:  # hashing a big chunk: off the loop
             return await run_in_threadpool(store.commit_one, slot)
         return store.commit_one(slot)
+
+    async def _drain(request: Request, limit: int) -> None:
+        seen = 0
+        async for piece in _stream(request):
+            seen += len(piece)
+            if seen > limit:
+                return
 
     async def _stream(request: Request):
         try:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 _UNITS = {
     "": 1,
-    "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+    "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
 }  # fmt: skip
-_QUANTITY = re.compile(r"^\s*(\d+)\s*([kMGT]i?|)\s*$")
+_QUANTITY = re.compile(r"^\s*(\d+)\s*(k|K|Ki|M|Mi|G|Gi|T|Ti|)\s*$")
 
 
 def parse_quantity(text: str | int) -> int:

@@ -1,0 +1,168 @@
+"""Bad input gets a 4xx JSON error, commits no memory, and the sidecar keeps serving."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Iterator
+
+import pytest
+from kvtest import Proc, start_sidecar, wait_until
+from sidecar_support import http_json, key
+
+from kvpool_sidecar.client import SidecarClient
+
+JSON = {"Content-Type": "application/json"}
+GOOD = key(1)
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory) -> Iterator[Proc]:
+    """One process for the whole module: every test also checks it was left empty and serving."""
+    proc = start_sidecar(tmp_path_factory.mktemp("bad-input"), "4Mi", [], "--max-chunk-bytes", "1Mi")
+    yield proc
+    proc.stop()
+    assert "Traceback" not in proc.output(), proc.output()
+
+
+def nothing_committed(c: SidecarClient) -> bool:
+    s = c.stats()
+    return s["stored_bytes"] == 0 and s["reserved_chunks"] == 0 and s["free_bytes"] == s["capacity_bytes"]
+
+
+def still_serving(url: str) -> None:
+    c = SidecarClient(url, timeout=5)
+    assert c.healthz()
+    assert c.put(key(2, "after"), b"fine") and c.get(key(2, "after")) == b"fine"
+    assert c.delete(key(2, "after"))
+    c.close()
+
+
+BAD_REQUESTS = [
+    ("POST", "/v1/lookup", b'{"keys": [', JSON, 422),  # malformed JSON
+    ("POST", "/v1/lookup", b'{"keys": "abc"}', JSON, 422),
+    ("POST", "/v1/lookup", b'{"keys": ["ABCDEF0123456789ABCDEF0123456789"]}', JSON, 422),  # upper case
+    ("POST", "/v1/lookup", b'{"keys": ["0123"]}', JSON, 422),  # too short
+    ("POST", "/v1/lookup", json.dumps({"keys": ["a" * 129]}).encode(), JSON, 422),  # too long
+    ("POST", "/v1/lookup", json.dumps({"keys": ["g" * 32]}).encode(), JSON, 422),  # not hex
+    ("POST", "/v1/lookup", json.dumps({"keys": [GOOD], "extra": 1}).encode(), JSON, 422),
+    ("PUT", "/v1/chunks/XYZ", b"data", {}, 422),
+    ("PUT", "/v1/chunks/" + "A" * 32, b"data", {}, 422),
+    ("GET", "/v1/chunks/" + "0" * 31, None, {}, 422),
+    ("DELETE", "/v1/chunks/..%2f..%2fetc", None, {}, 404),
+    ("PUT", f"/v1/chunks/{GOOD}", b"x" * (2**20 + 1), {}, 413),  # over --max-chunk-bytes
+    ("PUT", f"/v1/chunks/{GOOD}", b"data", {"X-KVPool-Priority": "high"}, 422),
+    ("POST", "/v1/arena/reserve", b'{"items": [{"key": "' + GOOD.encode() + b'", "length": -1}]}', JSON, 422),
+    ("POST", "/v1/arena/reserve", json.dumps({"items": [{"key": GOOD, "length": 2**20 + 1}]}).encode(), JSON,
+     413),
+    ("POST", "/v1/arena/commit", b"[]", JSON, 422),
+    ("POST", "/v1/arena/commit", json.dumps({"slots": [{"key": GOOD, "offset": 0, "length": 4,
+                                                         "checksum": -1}]}).encode(), JSON, 422),
+    ("POST", "/v1/arena/pin", b"not json at all", JSON, 422),
+    ("POST", "/v1/arena/release", b'{"lease": 5}', JSON, 422),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status"), BAD_REQUESTS)
+def test_bad_request_gets_a_json_error_and_commits_nothing(
+    sidecar, method, path, body, headers, status
+) -> None:
+    url = sidecar.info["url"]
+    got, answer = http_json(url + path, method, body, headers)
+    assert got == status, answer
+    if status != 404 or isinstance(answer, dict):
+        assert isinstance(answer, dict) and answer["error"], answer
+    assert nothing_committed(SidecarClient(url))
+    still_serving(url)
+
+
+def test_chunked_body_over_the_limit_is_refused(sidecar) -> None:
+    url = sidecar.info["url"]
+
+    def body():
+        for _ in range(20):
+            yield b"z" * 65536  # 1.25 MiB in all, without a Content-Length
+
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/v1/chunks/{GOOD}", data=body(), method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 413 and json.loads(e.value.read())["error"]
+    assert nothing_committed(SidecarClient(url))
+    still_serving(url)
+
+
+def raw(port: int, head: bytes, body: bytes, close_write: bool) -> bytes:
+    """Sends a hand-made request; returns whatever comes back before the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(head + body)
+        if close_write:
+            s.shutdown(socket.SHUT_WR)
+        else:
+            return b""
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_a_lying_content_length_commits_nothing(sidecar) -> None:
+    port, url = sidecar.info["port"], sidecar.info["url"]
+    head = (
+        f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+        f"Content-Length: 100000\r\n\r\n"
+    ).encode()
+    answer = raw(port, head, b"only this much", close_write=True)  # says 100000, sends 14, then EOF
+    assert answer == b"" or b" 400 " in answer.split(b"\r\n")[0]
+    c = SidecarClient(url)
+    wait_until(lambda: nothing_committed(c), 10, "the reservation of the lying upload to be given back")
+    assert c.lookup([GOOD]) == 0
+    # a Content-Length larger than allowed is refused before any byte is read
+    head = f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Length: {2**30}\r\n\r\n".encode()
+    answer = raw(port, head, b"tiny", close_write=True)
+    assert b" 413 " in answer.split(b"\r\n")[0] and b'"error"' in answer
+    assert nothing_committed(c)
+    still_serving(url)
+
+
+def test_a_client_disconnecting_mid_upload_commits_nothing(sidecar) -> None:
+    port, url = sidecar.info["port"], sidecar.info["url"]
+    c = SidecarClient(url)
+    for sent in (0, 1, 300_000):
+        head = f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Length: {2**20}\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(head + b"q" * sent)
+            wait_until(lambda: c.stats()["reserved_chunks"] == 1, 10, "the upload to start")
+        # closed mid-upload
+        wait_until(lambda: nothing_committed(c), 10, "the reservation of the broken upload to be given back")
+        assert c.lookup([GOOD]) == 0
+    still_serving(url)
+
+
+def test_control_socket_bad_frames(sidecar) -> None:
+    path = str(sidecar.info["arena_dir"] / "control.sock")
+
+    def call(frame: bytes) -> dict:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(frame)
+            (n,) = struct.unpack(">I", s.recv(4))
+            return json.loads(s.recv(n))
+
+    def frame(body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + body
+
+    assert call(frame(b"{not json"))["status"] == 400
+    assert call(frame(json.dumps({"op": "explode", "body": {}}).encode()))["status"] == 404
+    bad = call(frame(json.dumps({"op": "reserve", "body": {"items": [{"key": "XX", "length": 1}]}}).encode()))
+    assert bad["status"] == 422 and bad["body"]["error"]
+    big = call(
+        frame(json.dumps({"op": "reserve", "body": {"items": [{"key": GOOD, "length": 2**21}]}}).encode())
+    )
+    assert big["status"] == 413
+    assert call(struct.pack(">I", 2**31))["status"] == 413  # a frame larger than allowed
+    assert nothing_committed(SidecarClient(sidecar.info["url"]))
+    still_serving(sidecar.info["url"])

@@ -1,0 +1,94 @@
+"""Flags and their environment variables; the status port; the Prometheus text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvtest import free_port, http_ok, wait_until
+from sidecar_support import http_json, key
+
+from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.settings import parse_quantity, parse_settings
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [
+        ("1073741824", 2**30),
+        ("512Mi", 512 * 2**20),
+        ("4Gi", 4 * 2**30),
+        ("1G", 10**9),
+        ("64Ki", 65536),
+        ("2k", 2000),
+    ],
+)
+def test_quantities(text: str, n: int) -> None:
+    assert parse_quantity(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "1.5Gi", "-1", "4 gigs", "Gi", "4gi"])
+def test_bad_quantities(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_quantity(text)
+
+
+def test_env_fallbacks_and_the_flag_wins() -> None:
+    env = {
+        "KVPOOL_CAPACITY": "1Gi",
+        "KVPOOL_PORT": "9000",
+        "KVPOOL_ARENA_DIR": "/tmp/a",
+        "KVPOOL_REDIS_URL": "redis://a:1/0, redis://b:2/0",
+        "KVPOOL_MAX_CHUNK_BYTES": "8Mi",
+        "KVPOOL_REDIS_PASSWORD": "pw",
+        "KVPOOL_STATUS_PORT": "7071",
+        "KVPOOL_LEASE_SECONDS": "5",
+    }
+    s = parse_settings([], env)
+    assert (s.capacity, s.port, s.arena_dir, s.max_chunk_bytes) == (2**30, 9000, Path("/tmp/a"), 8 * 2**20)
+    assert s.redis_urls == ("redis://a:1/0", "redis://b:2/0") and s.redis_password == "pw"
+    assert (s.status_port, s.lease_seconds) == (7071, 5.0)
+    s = parse_settings(["--capacity", "2Gi", "--port", "1", "--redis-url", "redis://c:3/0"], env)
+    assert (s.capacity, s.port, s.redis_urls) == (2 * 2**30, 1, ("redis://c:3/0",))
+    assert parse_settings([], {}).redis_urls == ()
+
+
+def test_bad_flag_values_exit_with_a_message(capsys) -> None:
+    for argv in (["--capacity", "lots"], ["--capacity", "0"], ["--lease-seconds", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_settings(argv, {})
+        assert "capacity" in capsys.readouterr().err or "lease" in argv[0]
+
+
+def test_status_port_serves_only_the_read_only_routes(sidecar_factory) -> None:
+    status_port = free_port()
+    proc = sidecar_factory("4Mi", [], "--status-port", str(status_port), "--status-host", "127.0.0.1")
+    status = f"http://127.0.0.1:{status_port}"
+    wait_until(lambda: http_ok(status + "/healthz"), 10, "the status port")
+    for path in ("/healthz", "/readyz", "/stats", "/metrics"):
+        assert http_ok(status + path), path
+    assert (
+        http_json(status + "/v1/lookup", "POST", b'{"keys": []}', {"Content-Type": "application/json"})[0]
+        == 404
+    )
+    assert http_json(f"{status}/v1/chunks/{key(1)}", "PUT", b"x")[0] in (404, 405)
+    assert http_json(status + "/v1/arena")[0] == 404
+    assert http_json(proc.info["url"] + "/v1/arena")[0] == 200
+
+
+def test_stats_and_metrics(sidecar_factory) -> None:
+    proc = sidecar_factory("4Mi")
+    c = SidecarClient(proc.info["url"])
+    c.put(key(1), b"a" * 1000)
+    c.lookup([key(1), key(2)])
+    stats = c.stats()
+    for name in ("hits", "misses", "hit_rate", "stored_bytes", "capacity_bytes", "chunks", "evictions",
+                 "bytes_in", "bytes_out", "tiers"):  # fmt: skip
+        assert name in stats
+    assert (stats["hits"], stats["misses"], stats["hit_rate"]) == (1, 1, 0.5)
+    assert stats["tiers"]["cpu"]["stored_bytes"] == 1000
+    status, text = http_json(proc.info["url"] + "/metrics")
+    assert status == 200
+    lines = text.decode().splitlines()
+    assert "kvpool_stored_bytes 1000.0" in lines and "kvpool_ready 1.0" in lines
+    assert all(ln.startswith(("# ", "kvpool_")) for ln in lines)
