@@ -13,8 +13,11 @@ this machine has no GPU.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +48,7 @@ class KVPoolWorker:
         self.layer_index: dict[str, int] = {}
         self.stats = KVPoolStats()
         self._arena: torch.Tensor | None = None
+        self._arena_id: tuple[str, int, int] | None = None  # (path, st_dev, st_ino) of the mapped file
         self._failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._pending: list[_PendingSave] = []
@@ -75,10 +79,44 @@ class KVPoolWorker:
     def chunk_bytes(self, num_blocks: int) -> int:
         return num_blocks * self._block_bytes()
 
+    def _arena_path(self) -> str:
+        if self.cfg.shm_path:
+            return os.path.join(self.cfg.shm_path, "arena")
+        url = self.cfg.sidecar_url.rstrip("/") + "/v1/arena"
+        try:
+            with urllib.request.urlopen(url, timeout=self.cfg.timeout_ms / 1000) as r:
+                return json.loads(r.read())["path"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SidecarError(f"GET {url}: {e!r}") from e
+
+    def _arena_is_live(self) -> bool:
+        """False when the sidecar has restarted with a new arena file since we mapped ours: offsets it
+        hands out then point into a file we no longer see, so reading them would load wrong bytes."""
+        if self._arena_id is None:
+            return False
+        path, dev, ino = self._arena_id
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == (dev, ino)
+
+    def _reconnect(self) -> None:
+        """Forgets the client and the mapping after a sidecar failure; the next call starts afresh."""
+        self.client.close()
+        self.client = SidecarClient(
+            self.cfg.sidecar_url, timeout=self.cfg.timeout_ms / 1000, shm_path=self.cfg.shm_path
+        )
+        self._arena = None
+        self._arena_id = None
+
     def _arena_tensor(self) -> torch.Tensor:
         """The sidecar's arena as a uint8 tensor, mapped once (and pinned for DMA on CUDA)."""
         if self._arena is None:
+            path = self._arena_path()
+            st = os.stat(path)
             arena = torch.frombuffer(self.client.arena(), dtype=torch.uint8)
+            self._arena_id = (path, st.st_dev, st.st_ino)
             if self._cuda:
                 err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
                 if int(err) != 0:
@@ -108,6 +146,8 @@ class KVPoolWorker:
                 pinned = self.client.pin([rank_key(op.link, self.tp_rank) for op in ops])
                 lease = pinned.lease
                 arena = self._arena_tensor()
+                if pinned.slots and not self._arena_is_live():
+                    raise SidecarError("the sidecar's arena changed (restarted); remapping")
                 for op, slot in zip(ops, pinned.slots, strict=False):
                     if slot.length != self.chunk_bytes(op.chunk_blocks):
                         log.warning(
@@ -127,6 +167,8 @@ class KVPoolWorker:
             except Exception as e:  # a cache failure is a recompute, never a failed request
                 self.stats.add("sidecar_errors")
                 log.warning("kvpool: load of %s failed, vLLM recomputes it: %r", load.req_id, e)
+                self._reconnect()
+                lease = None
             finally:
                 if lease is not None:
                     with contextlib.suppress(SidecarError):  # the lease expires by itself
@@ -136,6 +178,9 @@ class KVPoolWorker:
                 self._failed_blocks.update(missed)
                 self._failed_reqs.add(load.req_id)
                 self.stats.add("load_failed_blocks", len(missed))
+                log.warning(
+                    "kvpool: %d blocks of %s not loadable; vLLM recomputes them", len(missed), load.req_id
+                )
             self.stats.add("load_seconds", time.perf_counter() - t0)
 
     def _scatter(self, arena: torch.Tensor, offset: int, op: ChunkOp) -> None:
@@ -171,6 +216,7 @@ class KVPoolWorker:
                 self.stats.add("sidecar_errors")
                 self.stats.add("save_skipped_chunks", len(items))
                 log.warning("kvpool: save of %s skipped: %s", save.req_id, e)
+                self._reconnect()
                 continue
             for op, slot in zip(save.chunks, slots, strict=True):
                 if slot is None:
@@ -207,6 +253,8 @@ class KVPoolWorker:
             if not self._cuda and meta.saves:
                 self._reserve(meta)
                 arena = self._arena_tensor() if self._pending else None
+                if self._pending and not self._arena_is_live():
+                    raise SidecarError("the sidecar's arena changed (restarted); remapping")
                 for p in self._pending:
                     ids = self._ids(p.op)
                     for i, layer in enumerate(self.layers):
@@ -223,6 +271,7 @@ class KVPoolWorker:
             log.warning("kvpool: saving %d chunks failed: %r", len(self._pending), e)
             with contextlib.suppress(SidecarError):  # the reservation's lease expires by itself
                 self.client.abort([p.slot for p in self._pending])
+            self._reconnect()
         finally:
             if meta.saves:
                 self.stats.add("save_seconds", time.perf_counter() - t0)

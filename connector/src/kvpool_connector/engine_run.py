@@ -1,0 +1,112 @@
+"""Runs prompts through the real vLLM engine in this process and writes the results as JSON.
+
+`python -m kvpool_connector.engine_run SPEC.json OUT.json`. The demo, the bench and the engine tests
+run it as a child process: each engine gets its own process (vLLM's threads and global state stay
+out of the caller) and several runs share one engine start-up.
+
+SPEC: {"model": dir, "block_size": 32, "kv_cache_bytes": N, "max_model_len": N,
+       "connector": null | {"name": ..., "module": ..., "extra": {...}}, "scheduling_policy": "fcfs",
+       "max_num_batched_tokens": null, "enable_prefix_caching": false,
+       "runs": [{"label": str, "prompts": [[ids], ...], "max_tokens": 4, "priority": [..] | null,
+                 "kv_transfer_params": {...} | null, "wait_for": path | null}, ...]}
+A run with "wait_for" starts when that file exists (the caller changes the world between runs);
+after each run "<OUT>.<label>.done" is written. OUT gets {"runs": [{"label", "seconds", "outputs":
+[{"token_ids", "logprobs", "num_cached_tokens"}]}]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _wait_for(path: str, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine_run: {path} did not appear within {timeout}s")
+        time.sleep(0.05)
+
+
+def build_llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv_transfer = None
+    if spec.get("connector"):
+        c = spec["connector"]
+        kv_transfer = KVTransferConfig(
+            kv_connector=c["name"],
+            kv_connector_module_path=c.get("module"),
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=c.get("extra", {}),
+        )
+    kwargs: dict[str, Any] = {}
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+        kwargs["enable_chunked_prefill"] = True
+    return LLM(
+        model=spec["model"],
+        tokenizer=spec["model"],
+        dtype="float32",
+        block_size=spec.get("block_size", 32),
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
+        max_model_len=spec.get("max_model_len", 4096),
+        enforce_eager=True,
+        enable_prefix_caching=spec.get("enable_prefix_caching", False),
+        scheduling_policy=spec.get("scheduling_policy", "fcfs"),
+        kv_transfer_config=kv_transfer,
+        seed=0,
+        **kwargs,
+    )
+
+
+def run_one(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": run["kv_transfer_params"]} if run.get("kv_transfer_params") else None
+    params = SamplingParams(
+        max_tokens=run.get("max_tokens", 4), temperature=0.0, logprobs=1, ignore_eos=True, extra_args=extra
+    )
+    prompts = [{"prompt_token_ids": ids} for ids in run["prompts"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, priority=run.get("priority"), use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    results = []
+    for out in outs:
+        comp = out.outputs[0]
+        logprobs = [lp[tok].logprob for tok, lp in zip(comp.token_ids, comp.logprobs or [], strict=True)]
+        results.append(
+            {
+                "token_ids": list(comp.token_ids),
+                "logprobs": logprobs,
+                "num_cached_tokens": out.num_cached_tokens or 0,
+            }
+        )
+    return {"label": run.get("label", ""), "seconds": seconds, "outputs": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    out_path = Path(argv[1])
+    llm = build_llm(spec)
+    print("engine_run: engine ready", flush=True)
+    results = []
+    for run in spec["runs"]:
+        if run.get("wait_for"):
+            _wait_for(run["wait_for"])
+        results.append(run_one(llm, run))
+        out_path.write_text(json.dumps({"runs": results}))
+        Path(f"{out_path}.{run.get('label', len(results))}.done").touch()
+        print(f"engine_run: {run.get('label')} done in {results[-1]['seconds']:.3f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

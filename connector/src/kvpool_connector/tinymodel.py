@@ -1,0 +1,89 @@
+"""A random-weight Llama and a small trained tokenizer in a directory, for the demo, tests and bench.
+
+Nothing is downloaded: the weights come from transformers' LlamaConfig with a fixed seed, the
+tokenizer is trained with `tokenizers` on a few generated sentences.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 512
+    vocab: int = 512
+    max_positions: int = 4096
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden // self.heads
+
+
+TINY = ModelShape()  # head size 64: the CPU backend's smallest common size
+# the shape the bench uses: prefill of 2,000 tokens costs seconds on 2 cores
+BENCH = ModelShape(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816, vocab=512)
+
+
+def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path:
+    """Writes the model and tokenizer into `directory` (reused when already there) and returns it."""
+    directory = Path(directory)
+    marker = directory / "kvpool-shape.json"
+    if marker.exists() and json.loads(marker.read_text()) == asdict(shape):
+        return directory
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    _make_tokenizer(directory, shape.vocab)
+    config = LlamaConfig(
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        intermediate_size=shape.intermediate,
+        vocab_size=shape.vocab,
+        max_position_embeddings=shape.max_positions,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    marker.write_text(json.dumps(asdict(shape)))
+    return directory
+
+
+def _make_tokenizer(directory: Path, vocab: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7)))
+        for _ in range(400)
+    ]
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    fast.save_pretrained(directory)
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    """Token ids that avoid the special tokens (0..3)."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, vocab) for _ in range(length)]
