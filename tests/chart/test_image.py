@@ -1,0 +1,153 @@
+"""The sidecar image, built from the project's Dockerfile with podman and run the way a pod runs it:
+read-only root filesystem, no capabilities, the arena on a memory-backed mount, only the read-only
+status port reachable from outside.
+
+No registry is reachable here, so the base image is made from Debian's packages (base-image.sh) and
+pip installs from a wheelhouse of the pinned requirements mounted into the build; the Dockerfile's
+steps are the ones a normal build runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from chartkit import REPO
+from kvtest import free_port, http_ok, need, wait_until
+
+PODMAN_DIR = Path(__file__).parent / "podman"
+BASE_IMAGE = "localhost/kvpool-test-python:3.11-bookworm"
+FORBIDDEN_IN_SIDECAR = ("torch", "vllm", "kopf", "transformers")
+
+
+def podman(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"podman {' '.join(args[:3])} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        )
+    return result
+
+
+@pytest.fixture(scope="module")
+def sidecar_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    need(shutil.which("podman") is not None, "podman (apt-get install podman)")
+    os.environ["CONTAINERS_CONF"] = str(PODMAN_DIR / "containers.conf")
+    base = subprocess.run(
+        ["bash", str(PODMAN_DIR / "base-image.sh"), BASE_IMAGE], capture_output=True, text=True
+    )
+    need(base.returncode != 2, f"the tools base-image.sh needs: {base.stderr.strip()}")
+    assert base.returncode == 0, base.stderr
+
+    wheelhouse = tmp_path_factory.mktemp("wheelhouse")
+    download = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-r",
+            REPO / "requirements/sidecar.txt",
+            "-r",
+            REPO / "requirements/build.txt",
+            "-d",
+            wheelhouse,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert download.returncode == 0, download.stderr
+
+    tag = f"localhost/kvpool-sidecar:test-{os.getpid()}"
+    podman(
+        "build",
+        "--target",
+        "sidecar",
+        "--tag",
+        tag,
+        "--build-arg",
+        f"PYTHON_IMAGE={BASE_IMAGE}",
+        "--build-arg",
+        "PIP_NO_INDEX=1",
+        "--build-arg",
+        "PIP_FIND_LINKS=/wheelhouse",
+        "--volume",
+        f"{wheelhouse}:/wheelhouse:ro",
+        str(REPO),
+    )
+    yield tag
+    podman("rmi", "--force", tag, check=False)
+
+
+@pytest.fixture
+def sidecar_container(sidecar_image: str) -> Iterator[str]:
+    """The sidecar started as the webhook starts it in a pod; yields the status port's URL."""
+    port = free_port()
+    name = f"kvpool-sidecar-test-{os.getpid()}-{port}"
+    podman(
+        "run",
+        "--detach",
+        "--name",
+        name,
+        "--read-only",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+        "--tmpfs",
+        "/var/run/kvpool:rw,size=80m,mode=1777",
+        "--publish",
+        f"127.0.0.1:{port}:7071",
+        sidecar_image,
+        "--capacity",
+        "32Mi",
+        "--arena-dir",
+        "/var/run/kvpool",
+        "--status-port",
+        "7071",
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_until(lambda: http_ok(url + "/healthz"), 60, f"/healthz of the sidecar container at {url}")
+        except TimeoutError:
+            raise AssertionError(podman("logs", name, check=False).stdout) from None
+        yield url
+    finally:
+        podman("rm", "--force", name, check=False)
+
+
+def test_sidecar_container_serves_health_and_stats(sidecar_container: str) -> None:
+    with urllib.request.urlopen(sidecar_container + "/healthz", timeout=5) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(sidecar_container + "/stats", timeout=5) as r:
+        stats = json.load(r)
+    assert stats["capacity_bytes"] == 32 * 2**20 and stats["chunks"] == 0
+
+
+def test_status_port_does_not_expose_the_data_api(sidecar_container: str) -> None:
+    request = urllib.request.Request(sidecar_container + "/v1/chunks/" + "ab" * 16, data=b"x", method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert refused.value.code in (404, 405)
+
+
+def test_sidecar_image_is_non_root_and_lean(sidecar_image: str) -> None:
+    (config,) = json.loads(podman("image", "inspect", sidecar_image).stdout)
+    assert config["Config"]["User"] == "65532:65532"
+    assert config["Config"]["Entrypoint"] == ["kvpool-sidecar"]
+    probe = "import importlib.util as u, sys; print([m for m in sys.argv[1:] if u.find_spec(m)])"
+    found = podman(
+        "run", "--rm", "--entrypoint", "python3", sidecar_image, "-c", probe, *FORBIDDEN_IN_SIDECAR
+    )
+    assert found.stdout.strip() == "[]"

@@ -1,0 +1,58 @@
+"""The images' requirement files (installed with --no-deps) are exactly the dependency closure of
+their project, at the versions the tests run with (dev-lock.txt and engine.txt): nothing missing,
+nothing extra, nothing drifting."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import tomllib
+
+import pytest
+from chartkit import REPO
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+
+def read_pins(*files: str) -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for file in files:
+        for line in (REPO / "requirements" / file).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line:
+                name, version = line.split("==")
+                pins[canonicalize_name(name)] = version
+    return pins
+
+
+def closure(roots: list[str]) -> set[str]:
+    """Every distribution the roots need, by the installed packages' own metadata."""
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in roots]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        extras = req.extras or {""}
+        key = name + "[" + ",".join(sorted(extras)) + "]"
+        if key in seen:
+            continue
+        seen.add(key)
+        for dep in importlib.metadata.distribution(name).requires or []:
+            dep_req = Requirement(dep)
+            if dep_req.marker is None or any(dep_req.marker.evaluate({"extra": e}) for e in extras):
+                todo.append(dep_req)
+    return {k.split("[")[0] for k in seen}
+
+
+@pytest.mark.parametrize("project", ["sidecar", "operator"])
+def test_image_requirements_are_the_locked_closure(project: str) -> None:
+    meta = tomllib.loads((REPO / project / "pyproject.toml").read_text())["project"]
+    roots = [
+        d for d in meta["dependencies"] if not canonicalize_name(Requirement(d).name).startswith("kvpool")
+    ]
+    image = read_pins(f"{project}.txt")
+    locked = read_pins("engine.txt", "dev-lock.txt")
+    assert set(image) == closure(roots), f"requirements/{project}.txt is not the dependency closure"
+    drift = {
+        name: (version, locked.get(name)) for name, version in image.items() if locked.get(name) != version
+    }
+    assert not drift, f"pins differ from the locked versions (image, lock): {drift}"
