@@ -14,6 +14,7 @@ from kvpool_operator.refresh import refresh
 from kvpool_operator.settings import OperatorSettings
 
 POOLS = (names.GROUP, names.VERSION, names.PLURAL)
+POOL_INDEX = "kvpool_pools"  # the index's name is also the handlers' kwarg
 
 
 def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> None:
@@ -30,7 +31,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     async def cleanup(memo: Any, **_: Any) -> None:
         await memo.kube.close()
 
-    @kopf.index(*POOLS, registry=registry)
+    @kopf.index(*POOLS, registry=registry, id=POOL_INDEX)
     def kvpool_pools(namespace: str, name: str, spec: Any, uid: str, **_: Any) -> dict[str, Pool] | None:
         """Pools by namespace, kept in memory for the webhook (it must answer without API calls)."""
         try:
@@ -47,12 +48,17 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     )
 
     @kopf.on.mutate(
-        "v1", "pods", id=webhook.HANDLER_ID, operation="CREATE", ignore_failures=True, registry=registry
+        "v1", "pods", id=webhook.HANDLER_ID, operations={"CREATE"}, ignore_failures=True, registry=registry
     )
-    async def kvpool_inject(
-        body: Any, patch: kopf.Patch, warnings: list[str], memo: Any, kvpool_pools: kopf.Index, **kwargs: Any
-    ) -> None:
-        namespace = (body.get("metadata") or {}).get("namespace") or ""
-        await webhook.inject(
-            body, patch, warnings, memo, list(kvpool_pools.get(namespace, [])), kwargs.get("dryrun")
-        )
+    async def kvpool_inject(**kwargs: Any) -> None:
+        # only **kwargs: a handler that kopf cannot call would deny the pod instead of failing open
+        try:
+            body = kwargs["body"]
+            namespace = (body.get("metadata") or {}).get("namespace") or ""
+            pools = list(kwargs[POOL_INDEX].get(namespace, []))
+            await webhook.inject(
+                body, kwargs["patch"], kwargs["warnings"], kwargs["memo"], pools, kwargs.get("dryrun")
+            )
+        except Exception:
+            logging.getLogger("kvpool.webhook").exception("kvpool-inject failed; admitting the pod untouched")
+            kwargs["patch"].clear()

@@ -1,0 +1,144 @@
+"""Small pure parts of the operator: quantities, selectors, scaling decisions, conditions, flags."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from kvpool_operator import conditions
+from kvpool_operator.injection import strip_flag
+from kvpool_operator.pool import ScalingSpec
+from kvpool_operator.quantity import format_mebibytes, parse_quantity
+from kvpool_operator.scaling import desired_shards, shards_to_publish
+from kvpool_operator.selector import matches, to_query
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("4Gi", 4 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("1G", 10**9),
+        ("1.5Ki", 1536),
+        ("100", 100),
+        (7, 7),
+        ("0.5k", 500),
+    ],
+)
+def test_parse_quantity(text: str | int, value: int) -> None:
+    assert parse_quantity(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "Gi", "-1Gi", "1 Gi", "1gi", "1e3", True, -5])
+def test_parse_quantity_refuses(bad: object) -> None:
+    with pytest.raises(ValueError, match="quantity"):
+        parse_quantity(bad)  # type: ignore[arg-type]
+
+
+def test_format_mebibytes_rounds_up() -> None:
+    assert format_mebibytes(2**30) == "1024Mi" and format_mebibytes(2**20 + 1) == "2Mi"
+
+
+SELECTOR = {
+    "matchLabels": {"app": "vllm"},
+    "matchExpressions": [
+        {"key": "tier", "operator": "In", "values": ["a", "b"]},
+        {"key": "canary", "operator": "DoesNotExist"},
+        {"key": "zone", "operator": "NotIn", "values": ["x"]},
+        {"key": "gpu", "operator": "Exists"},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("labels", "expected"),
+    [
+        ({"app": "vllm", "tier": "a", "gpu": "h100"}, True),
+        ({"app": "vllm", "tier": "b", "gpu": "1", "zone": "y"}, True),
+        ({"app": "vllm", "tier": "c", "gpu": "1"}, False),
+        ({"app": "vllm", "tier": "a"}, False),
+        ({"app": "vllm", "tier": "a", "gpu": "1", "canary": "1"}, False),
+        ({"app": "vllm", "tier": "a", "gpu": "1", "zone": "x"}, False),
+        ({"app": "other", "tier": "a", "gpu": "1"}, False),
+    ],
+)
+def test_selector_matches(labels: dict[str, str], expected: bool) -> None:
+    assert matches(SELECTOR, labels) is expected
+
+
+def test_empty_selector_matches_nothing() -> None:
+    assert not matches({}, {"app": "vllm"}) and not matches({"matchLabels": {}}, {})
+
+
+def test_selector_query() -> None:
+    assert to_query(SELECTOR) == "app=vllm,tier in (a,b),!canary,zone notin (x),gpu"
+
+
+S = ScalingSpec(min_replicas=2, max_replicas=6, target_utilization=50)
+
+
+@pytest.mark.parametrize(
+    ("current", "utilization", "since", "expected"),
+    [
+        (2, 100.0, None, 4),  # twice the target: twice the shards
+        (2, 52.0, None, 2),  # within the tolerance
+        (4, 10.0, None, 2),  # shrink, but not below min
+        (4, 400.0, None, 6),  # grow, but not above max
+        (2, 100.0, 10.0, 2),  # in the cooldown: no change
+        (2, 100.0, 400.0, 4),  # cooldown over
+        (1, 10.0, 10.0, 2),  # below min (bounds changed): corrected even in the cooldown
+        (9, None, None, 6),  # above max: corrected without a measurement
+        (3, None, None, 3),  # nothing measured: nothing changes
+    ],
+)
+def test_desired_shards(current: int, utilization: float | None, since: float | None, expected: int) -> None:
+    assert desired_shards(current, utilization, S, since, cooldown=300) == expected
+
+
+@pytest.mark.parametrize(
+    ("published", "desired", "ready", "expected"),
+    [(None, 3, 0, 3), (2, 1, 0, 1), (2, 4, 3, 2), (2, 4, 4, 4), (3, 3, 1, 3)],
+)
+def test_shards_to_publish(published: int | None, desired: int, ready: int, expected: int) -> None:
+    assert shards_to_publish(published, desired, ready) == expected
+
+
+def test_conditions_keep_transition_time_while_unchanged() -> None:
+    t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    t1 = t0 + datetime.timedelta(hours=1)
+    first = conditions.merge([], conditions.assess([], None, None), 1, t0)
+    same = conditions.merge(first, conditions.assess([], None, None), 2, t1)
+    assert [c["lastTransitionTime"] for c in same] == [c["lastTransitionTime"] for c in first]
+    assert all(c["observedGeneration"] == 2 for c in same)
+    broken = conditions.merge(same, conditions.assess(["spec.capacity is wrong"], None, None), 3, t1)
+    by_type = {c["type"]: c for c in broken}
+    assert (
+        by_type["Ready"]["status"] == "False"
+        and by_type["Ready"]["lastTransitionTime"] == "2026-01-01T01:00:00Z"
+    )
+    assert (
+        by_type["Degraded"]["reason"] == "InvalidSpec" and "spec.capacity" in by_type["Degraded"]["message"]
+    )
+
+
+def test_shared_tier_conditions() -> None:
+    ready, degraded = conditions.assess([], None, (3, 0))
+    assert (ready.status, degraded.status, ready.reason) == (False, True, "SharedTierStarting")
+    ready, degraded = conditions.assess([], None, (3, 2))
+    assert (ready.status, degraded.status, degraded.reason) == (True, True, "ShardsNotReady")
+    ready, degraded = conditions.assess([], None, (3, 3))
+    assert (ready.status, degraded.status) == (True, False)
+
+
+def test_strip_flag() -> None:
+    argv = [
+        "--model",
+        "m",
+        "--kv-transfer-config",
+        "{}",
+        "--x",
+        "--kv-transfer-config={}",
+        "--kv-transfer-configs",
+    ]
+    assert strip_flag(argv, "--kv-transfer-config") == ["--model", "m", "--x", "--kv-transfer-configs"]

@@ -1,0 +1,257 @@
+"""The pod-mutating webhook, served by kopf's real WebhookServer inside the running operator,
+answering real AdmissionReview requests; the returned JSON patches are applied and the whole pod
+compared with the expected one."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import Cluster
+from kubeapi import pool_path
+from kvtest import wait_until
+from webhooks import admitted, review
+
+from kvpool_operator.injection import decide
+from kvpool_operator.pool import parse_pool
+from kvpool_operator.settings import OperatorSettings
+
+NS = "web"
+
+
+def make_pool(cluster: Cluster, name: str, spec: dict[str, Any], namespace: str = NS) -> None:
+    cluster.api.create(pool_path(namespace), {
+        "apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
+        "metadata": {"name": name, "namespace": namespace}, "spec": spec,
+    })  # fmt: skip
+    # reconciled means indexed too: the index handler runs before the pool's other handlers
+    wait_until(
+        lambda: (cluster.api.get(pool_path(namespace, name)) or {}).get("status", {}).get("connectorConfig"),
+        30, f"pool {name} reconciled",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pools(cluster: Cluster) -> Iterator[Cluster]:
+    make_pool(cluster, "solo", {"selector": {"matchLabels": {"app": "solo"}}, "capacity": "1Gi", "chunkSize": 128,
+                                "priorityLimit": 2})  # fmt: skip
+    make_pool(cluster, "cached", {"selector": {"matchLabels": {"app": "cached"}}, "capacity": "2Gi",
+                                  "backend": "redis", "redis": {"mode": "shared", "replicas": 2},
+                                  "vllmContainer": "engine", "sidecar": {"port": 8000}})  # fmt: skip
+    make_pool(cluster, "team-a", {"selector": {"matchLabels": {"team": "x"}}})
+    make_pool(cluster, "team-b", {"selector": {"matchExpressions": [{"key": "team", "operator": "In",
+                                                                      "values": ["x", "y"]}]}})  # fmt: skip
+    yield cluster
+
+
+def vllm_pod(labels: dict[str, str], **meta: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "vllm-", "labels": labels, **meta},
+        "spec": {
+            "containers": [
+                {
+                    "name": "vllm",
+                    "image": "vllm/vllm-openai:v0.33.0",
+                    "args": ["--model", "Qwen/Qwen3-0.6B"],
+                    "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                }
+            ],
+        },
+    }
+
+
+SOLO_CONFIG = (
+    '{"kv_connector":"KVPoolConnector","kv_connector_extra_config":{"chunk_size":128,'
+    '"discard_partial_chunks":false,"pool":"web/solo","priority_limit":2,"save_decode_cache":false,'
+    '"shm_path":"/var/run/kvpool","sidecar_url":"http://127.0.0.1:7070","skip_last_n_tokens":0},'
+    '"kv_connector_module_path":"kvpool_connector","kv_load_failure_policy":"recompute","kv_role":"kv_both"}'
+)
+
+
+def probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": 7071}, "periodSeconds": period, "timeoutSeconds": 2,
+            "failureThreshold": failures}  # fmt: skip
+
+
+EXPECTED_SOLO = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {
+        "generateName": "vllm-",
+        "labels": {"app": "solo", "kvpool.dev/pool": "solo"},
+        "annotations": {
+            "kvpool.dev/config-hash": hashlib.sha256(SOLO_CONFIG.encode()).hexdigest()[:16],
+            "kvpool.dev/status-port": "7071",
+        },
+    },
+    "spec": {
+        "containers": [
+            {
+                "name": "vllm",
+                "image": "vllm/vllm-openai:v0.33.0",
+                "args": ["--model", "Qwen/Qwen3-0.6B", "--kv-transfer-config", SOLO_CONFIG],
+                "resources": {"limits": {"nvidia.com/gpu": "1"}},
+                "volumeMounts": [{"name": "kvpool-arena", "mountPath": "/var/run/kvpool"}],
+            }
+        ],
+        "initContainers": [
+            {
+                "name": "kvpool-sidecar",
+                "image": "kvpool/sidecar:test",
+                "restartPolicy": "Always",
+                "args": ["--host", "127.0.0.1", "--port", "7070", "--status-port", "7071", "--capacity", "1Gi",
+                         "--arena-dir", "/var/run/kvpool"],
+                "ports": [{"name": "kvpool-status", "containerPort": 7071, "protocol": "TCP"}],
+                "volumeMounts": [{"name": "kvpool-arena", "mountPath": "/var/run/kvpool"}],
+                "resources": {"requests": {"cpu": "250m", "memory": "1280Mi"}, "limits": {"memory": "1280Mi"}},
+                "startupProbe": probe("/readyz", 2, 150),
+                "readinessProbe": probe("/readyz", 10, 3),
+                "livenessProbe": probe("/healthz", 10, 6),
+                "securityContext": {
+                    "runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+            }
+        ],
+        "volumes": [{"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
+    },
+}  # fmt: skip
+
+
+def test_matched_pod_gets_native_sidecar_and_config(pools: Cluster) -> None:
+    pod, response = admitted(pools.webhook_url, vllm_pod({"app": "solo"}), NS)
+    assert pod == EXPECTED_SOLO
+    assert "warnings" not in response
+
+
+def test_injection_is_idempotent(pools: Cluster) -> None:
+    once, _ = admitted(pools.webhook_url, vllm_pod({"app": "solo"}), NS)
+    twice, response = admitted(pools.webhook_url, once, NS)
+    assert twice == once == EXPECTED_SOLO
+    assert "patch" not in response
+
+
+def test_existing_kv_transfer_config_is_replaced(pools: Cluster) -> None:
+    pod = vllm_pod({"app": "solo"})
+    pod["spec"]["containers"][0]["args"] = ["--kv-transfer-config", '{"kv_connector":"Other"}', "--model",
+                                             "Qwen/Qwen3-0.6B"]  # fmt: skip
+    result, _ = admitted(pools.webhook_url, pod, NS)
+    assert result["spec"]["containers"][0]["args"] == [
+        "--model",
+        "Qwen/Qwen3-0.6B",
+        "--kv-transfer-config",
+        SOLO_CONFIG,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("labels", "meta", "namespace"),
+    [
+        ({"app": "other"}, {}, NS),  # matched by no pool
+        ({"app": "solo"}, {"annotations": {"kvpool.dev/inject": "false"}}, NS),  # opted out
+        ({"app": "solo"}, {}, "elsewhere"),  # the pool is in another namespace
+    ],
+    ids=["unmatched", "opted-out", "other-namespace"],
+)
+def test_pods_not_asked_for_are_untouched(pools: Cluster, labels: dict, meta: dict, namespace: str) -> None:
+    pod = vllm_pod(labels, **meta)
+    result, response = admitted(pools.webhook_url, pod, namespace)
+    assert result == pod
+    assert "patch" not in response and "warnings" not in response
+
+
+def test_pod_matched_by_two_pools_is_untouched_with_warning_events(pools: Cluster) -> None:
+    pod = vllm_pod({"team": "x"})
+    result, response = admitted(pools.webhook_url, pod, NS)
+    assert result == pod and "patch" not in response
+    assert any("team-a, team-b" in w for w in response["warnings"])
+    for name in ("team-a", "team-b"):
+        wait_until(
+            lambda name=name: any(
+                e["type"] == "Warning" and e["reason"] == "PodNotInjected" for e in pools.api.events(NS, name)
+            ),
+            30, f"a warning event on {name}",
+        )  # fmt: skip
+
+
+def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
+    pod = vllm_pod({"app": "cached"})
+    pod["spec"]["containers"].insert(0, {"name": "proxy", "image": "envoy"})
+    pod["spec"]["containers"][1]["name"] = "engine"
+    result, _ = admitted(pools.webhook_url, pod, NS)
+    proxy, engine = result["spec"]["containers"]
+    assert proxy == {"name": "proxy", "image": "envoy"}  # vllmContainer picks the engine, not the first
+    config = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
+    assert config["kv_connector_extra_config"]["sidecar_url"] == "http://127.0.0.1:8000"
+    (sidecar,) = result["spec"]["initContainers"]
+    assert sidecar["args"][-2:] == ["--redis-urls-file", "/etc/kvpool/redis/redis-urls"]
+    assert sidecar["args"][sidecar["args"].index("--status-port") + 1] == "8001"
+    assert sidecar["env"] == [
+        {
+            "name": "KVPOOL_REDIS_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": "cached-kvpool-redis", "key": "password"}},
+        }
+    ]
+    assert {"name": "kvpool-redis-urls", "mountPath": "/etc/kvpool/redis", "readOnly": True} in sidecar[
+        "volumeMounts"
+    ]
+    assert {"name": "kvpool-redis-urls", "configMap": {"name": "cached-kvpool", "items": [
+        {"key": "redis-urls", "path": "redis-urls"}]}} in result["spec"]["volumes"]  # fmt: skip
+    assert sidecar["startupProbe"]["httpGet"] == {"path": "/readyz", "port": 8001}
+
+
+def test_injected_pods_need_no_privileges(pools: Cluster) -> None:
+    for labels in ({"app": "solo"}, {"app": "cached"}):
+        pod = vllm_pod(labels)
+        if labels["app"] == "cached":
+            pod["spec"]["containers"][0]["name"] = "engine"
+        result, _ = admitted(pools.webhook_url, pod, NS)
+        text = json.dumps(result)
+        for forbidden in (
+            "privileged",
+            "hostIPC",
+            "hostPID",
+            "hostNetwork",
+            "hostPath",
+            "SYS_ADMIN",
+            "IPC_LOCK",
+        ):
+            assert forbidden not in text
+
+
+def test_webhook_fails_open_on_a_malformed_pod(pools: Cluster) -> None:
+    pod = vllm_pod({"app": "solo"})
+    pod["metadata"]["labels"] = ["not", "a", "map"]
+    response = review(pools.webhook_url, pod, NS)
+    assert response["allowed"] is True and "patch" not in response
+
+
+def test_dry_run_posts_no_events(pools: Cluster) -> None:
+    before = len(pools.api.events(NS, "team-a"))
+    response = review(pools.webhook_url, vllm_pod({"team": "x"}), NS, dry_run=True)
+    assert response["allowed"] is True and response["warnings"]
+    # a later real admission's event shows the dry run's would have been posted by now
+    admitted(pools.webhook_url, vllm_pod({"team": "x"}), NS)
+    wait_until(lambda: len(pools.api.events(NS, "team-a")) >= before + 1, 30, "the real admission's event")
+    assert len(pools.api.events(NS, "team-a")) == before + 1
+
+
+def test_legacy_mode_adds_a_plain_container() -> None:
+    pool = parse_pool(NS, "solo", {"selector": {"matchLabels": {"app": "solo"}}, "capacity": "1Gi", "chunkSize": 128,
+                                   "priorityLimit": 2})  # fmt: skip
+    decision = decide(vllm_pod({"app": "solo"}), NS, [pool], OperatorSettings(sidecar_image="kvpool/sidecar:test",
+                                                                              legacy_sidecar=True))  # fmt: skip
+    expected = copy.deepcopy(EXPECTED_SOLO)
+    sidecar = expected["spec"].pop("initContainers")[0]
+    del sidecar["restartPolicy"]
+    expected["spec"]["containers"].append(sidecar)
+    assert decision.pod == expected
+    assert decide(decision.pod, NS, [pool], OperatorSettings(sidecar_image="kvpool/sidecar:test",
+                                                             legacy_sidecar=True)).pod == expected  # fmt: skip
