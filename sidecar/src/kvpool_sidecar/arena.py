@@ -10,6 +10,12 @@ from pathlib import Path
 from kvpool_sidecar.wire import ARENA_FILE
 
 
+def map_file(fd: int, size: int) -> mmap.mmap:
+    """A shared writable mapping with its page tables filled at once (MAP_POPULATE where Linux has it)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
 class Arena:
     """A writable mapping of `<dir>/arena`. In a pod the dir is an emptyDir with medium Memory (tmpfs)."""
 
@@ -22,8 +28,16 @@ class Arena:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
         try:
             os.ftruncate(fd, size)
+            # Allocate every page now: a first touch during a save costs a page fault and zeroing
+            # (measured: saves ran at a fifth of their speed), and a tmpfs too small for --capacity
+            # fails here, at start, with a clear message instead of a SIGBUS mid-copy.
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                msg = f"cannot allocate the {size}-byte arena in {directory}: {e.strerror}"
+                raise OSError(e.errno, msg) from e
             os.replace(tmp, self.path)
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = map_file(fd, size)
         finally:
             os.close(fd)
         self.view = memoryview(self._mmap)

@@ -87,8 +87,17 @@ def _close_quietly(conn: Any) -> None:
 
 class SidecarClient:
     def __init__(
-        self, url: str = "http://127.0.0.1:7070", *, timeout: float = 1.0, shm_path: str | None = None
+        self,
+        url: str = "http://127.0.0.1:7070",
+        *,
+        timeout: float = 1.0,
+        shm_path: str | None = None,
+        control: str = "auto",
     ):
+        """control: how arena control messages travel: "auto" (the Unix socket when it can be reached,
+        else HTTP), "socket" or "http"."""
+        if control not in ("auto", "socket", "http"):
+            raise ValueError(f"control must be auto, socket or http, not {control!r}")
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme != "http" or not parsed.hostname:
             raise ValueError(f"sidecar url must be http://host:port, got {url!r}")
@@ -101,7 +110,8 @@ class SidecarClient:
             lambda: http.client.HTTPConnection(self._host, self._port, timeout=timeout), _close_quietly
         )
         self._sock: _Pool | None = None
-        self._sock_checked = False
+        self._sock_checked = control == "http"
+        self._control_mode = control
         self._arena: memoryview | None = None
         self._arena_map: mmap.mmap | None = None
         self._arena_lock = threading.Lock()
@@ -154,6 +164,8 @@ class SidecarClient:
             path = self._socket_path()
             if path and os.path.exists(path):
                 self._sock = _Pool(lambda: self._connect_unix(path), _close_quietly)
+            elif self._control_mode == "socket":
+                raise SidecarError(f"no control socket at {path}")
         return self._sock
 
     def _connect_unix(self, path: str) -> socket.socket:
@@ -271,9 +283,9 @@ class SidecarClient:
                     fd = os.open(path, os.O_RDWR)
                     try:
                         size = os.fstat(fd).st_size
-                        self._arena_map = mmap.mmap(
-                            fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
-                        )
+                        # MAP_POPULATE: page tables filled once here, not by faults during copies
+                        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                        self._arena_map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
                     finally:
                         os.close(fd)
                 except (OSError, ValueError) as e:

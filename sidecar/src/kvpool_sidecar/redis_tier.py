@@ -3,10 +3,10 @@
 - Saves never wait on Redis: committed keys go into a bounded queue; when it is full the save is
   simply not written behind (counted as dropped). One writer thread drains it, reading the bytes
   straight from the arena while the chunk is pinned (its checksum verified first).
-- A chunk is stored as pieces of at most 4 MiB (Redis is slow with large values) and then a small
-  meta record; all its keys share the hash tag {key}, so in a Redis Cluster they live in one slot.
-  Meta is written after the pieces, so a reader that finds the meta finds whole pieces; the
-  checksum in the meta is checked on every read.
+- A chunk is stored as pieces of at most 4 MiB (Redis is slow with large values), SET pipelined,
+  and then a small meta record; all its keys share the hash tag {key}, so in a Redis Cluster they
+  live in one slot. Meta is written after the pieces, so a reader that finds the meta finds whole
+  pieces; the checksum in the meta is checked on every read.
 - Shards are chosen by rendezvous hashing of the chunk key (adding a shard moves ~1/n of keys).
 - A shard that fails is marked down at once and skipped (a miss, a dropped write) until the health
   thread's PING succeeds again; redis-py reconnects on the next command, so recovery needs nothing.
@@ -396,10 +396,10 @@ class RedisTier:
             if n != piece_count(length) or length > self.store.capacity:
                 self.counters.read_errors += 1
                 return None
-            pipe = shard.client.pipeline(transaction=False)
-            for i in range(n):
-                pipe.get(piece_key(key, i))
-            pieces = pipe.execute()
+            # One GET per piece, not a pipeline: hiredis parses a train of large replies at half
+            # the speed of one at a time (measured 1.0 vs 2.0 GB/s for 4 MiB pieces), and a round
+            # trip is small beside 4 MiB. Writes are the other way round: pipelined SETs win.
+            pieces = [shard.client.get(piece_key(key, i)) for i in range(n)]
         except _ERRORS as e:
             shard.down(e)
             self.counters.read_errors += 1
