@@ -99,7 +99,11 @@ class KVPoolScheduler:
         st = self._state(request)
         if num_external_tokens == 0:  # nothing to load (also the second call after an async load)
             return
-        assert st.lookup is not None, "external tokens without a lookup"
+        if st.lookup is None:  # vLLM offers only what we matched; never load without a lookup
+            log.warning(
+                "kvpool: %d external tokens for %s without a lookup", num_external_tokens, request.request_id
+            )
+            return
         start, hit_spans = st.lookup
         st.load = (start, start + num_external_tokens)
         st.saved.update(hit_spans)  # already stored: never saved again

@@ -28,6 +28,8 @@ class ModelShape:
 
 
 TINY = ModelShape()  # head size 64: the CPU backend's smallest common size
+# the demo's: big enough that a 2,000-token prefill takes a visible fraction of a second
+DEMO = ModelShape(hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1408, vocab=512)
 # the shape the bench uses: prefill of 2,000 tokens costs seconds on 2 cores
 BENCH = ModelShape(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=2816, vocab=512)
 

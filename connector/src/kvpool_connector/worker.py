@@ -55,6 +55,8 @@ class KVPoolWorker:
         self._cuda = False
         self._stream: torch.cuda.Stream | None = None
         self._staging: list[torch.Tensor] = []
+        self._layers_done: set[int] = set()  # layers of this step's pending saves already copied
+        self._reserved = False  # this step's saves were reserved before the forward (CUDA)
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -228,47 +230,55 @@ class KVPoolWorker:
         """On CUDA, reserve before the forward so each layer's copy can start in save_kv_layer."""
         if self._cuda and meta.saves:
             self._reserve(meta)
+            self._reserved = True
+
+    def _copy_out(self, i: int) -> None:
+        """Copies layer i of every pending chunk into its arena slot: on CPU at once, on CUDA queued on
+        the side stream behind the work the forward has queued so far."""
+        arena = self._arena_tensor()
+        layer = self.layers[i]
+        if not self._cuda:
+            for p in self._pending:
+                layer.gather(self._ids(p.op), self._rows(arena, p.slot.offset, p.op, i))
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                for p in self._pending:
+                    staging = torch.empty(
+                        (len(p.op.block_ids), layer.page_bytes), dtype=torch.uint8, device=layer.device
+                    )
+                    layer.gather(self._ids(p.op), staging)
+                    self._rows(arena, p.slot.offset, p.op, i).copy_(staging, non_blocking=True)
+                    self._staging.append(staging)
+        self._layers_done.add(i)
 
     def save_layer(self, layer_name: str) -> None:
-        if not self._cuda or not self._pending or layer_name not in self.layer_index:
-            return
-        i = self.layer_index[layer_name]
-        arena = self._arena_tensor()
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for p in self._pending:
-                staging = torch.empty(
-                    (len(p.op.block_ids), self.layers[i].page_bytes),
-                    dtype=torch.uint8,
-                    device=self.layers[i].device,
-                )
-                self.layers[i].gather(self._ids(p.op), staging)
-                self._rows(arena, p.slot.offset, p.op, i).copy_(staging, non_blocking=True)
-                self._staging.append(staging)
+        if self._cuda and self._pending and layer_name in self.layer_index:
+            self._copy_out(self.layer_index[layer_name])
 
     def finish_step(self, meta: KVPoolMetadata) -> None:
         """Completes this step's saves: after this returns, every block's bytes are in the arena."""
         t0 = time.perf_counter()
         try:
-            if not self._cuda and meta.saves:
+            if meta.saves and not self._reserved:
                 self._reserve(meta)
-                arena = self._arena_tensor() if self._pending else None
-                if self._pending and not self._arena_is_live():
-                    raise SidecarError("the sidecar's arena changed (restarted); remapping")
-                for p in self._pending:
-                    ids = self._ids(p.op)
-                    for i, layer in enumerate(self.layers):
-                        layer.gather(ids, self._rows(arena, p.slot.offset, p.op, i))
-            elif self._cuda and self._pending:
-                self._stream.synchronize()
-                self._staging.clear()
             if self._pending:
+                self._arena_tensor()
+                if not self._arena_is_live():
+                    raise SidecarError("the sidecar's arena changed (restarted); remapping")
+                for i in range(len(self.layers)):
+                    if i not in self._layers_done:
+                        self._copy_out(i)
+                if self._cuda:
+                    self._stream.synchronize()  # the bytes are out: vLLM may reuse the blocks
                 self.client.commit([p.slot for p in self._pending])
                 self.stats.add("saved_chunks", len(self._pending))
                 self.stats.add("saved_bytes", sum(p.slot.length for p in self._pending))
         except Exception as e:  # a failed save is a future miss, never a failed request
             self.stats.add("sidecar_errors")
             log.warning("kvpool: saving %d chunks failed: %r", len(self._pending), e)
+            if self._cuda:
+                self._stream.synchronize()
             with contextlib.suppress(SidecarError):  # the reservation's lease expires by itself
                 self.client.abort([p.slot for p in self._pending])
             self._reconnect()
@@ -276,6 +286,9 @@ class KVPoolWorker:
             if meta.saves:
                 self.stats.add("save_seconds", time.perf_counter() - t0)
             self._pending.clear()
+            self._staging.clear()
+            self._layers_done.clear()
+            self._reserved = False
             self._failed_reqs.clear()
 
     def take_stats(self) -> KVPoolStats | None:

@@ -1,0 +1,83 @@
+"""The worker half against the real sidecar process: save chunks from a paged cache, load them into
+another one, bit-exact; a chunk the sidecar cannot serve becomes load errors, never bytes."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpool_connector.common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
+from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.keys import chain, rank_key
+from kvpool_connector.worker import KVPoolWorker
+from kvpool_sidecar.client import SidecarClient
+
+BLOCKS, HEADS, BS, HEAD = 16, 2, 32, 64
+
+
+def _layers(seed: int | None) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed or 0)
+    out = []
+    for i in range(3):
+        t = torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g, dtype=torch.float32)
+        out.append((f"layer{i}", t if seed is not None else torch.zeros_like(t)))
+    return out
+
+
+def _ops(blocks: list[list[int]]) -> list[ChunkOp]:
+    links = chain(b"seed" * 4, list(range(64 * len(blocks))), 64)
+    return [ChunkOp(link, 2, ids) for link, ids in zip(links, blocks, strict=True)]
+
+
+def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) -> None:
+    proc = sidecar_factory("16Mi")
+    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
+    src, dst = KVPoolWorker(cfg, tp_rank=0), KVPoolWorker(cfg, tp_rank=0)
+    src_layers, dst_layers = _layers(1), _layers(None)
+    src.register_kv_caches(src_layers)
+    dst.register_kv_caches(dst_layers)
+
+    saves = _ops([[3, 7], [1, 12], [5, 6]])
+    meta = KVPoolMetadata(saves=[SaveSpec("a", 0, saves)])
+    src.start_load(meta)
+    src.begin_step(meta)
+    src.finish_step(meta)
+    assert src.take_stats().data["saved_chunks"] == 3
+
+    # the third chunk disappears from the sidecar: its blocks must be reported, the rest loaded
+    client = SidecarClient(proc.info["url"], timeout=5)
+    assert client.delete(rank_key(saves[2].link, 0))
+    loads = [ChunkOp(op.link, 2, ids) for op, ids in zip(saves, [[0, 2], [4, 8], [9, 10]], strict=True)]
+    meta = KVPoolMetadata(loads=[LoadSpec("b", loads)])
+    dst.start_load(meta)
+    dst.finish_step(meta)
+    assert dst.take_load_errors() == {9, 10}
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        for sb, db in [(3, 0), (7, 2), (1, 4), (12, 8)]:
+            assert torch.equal(s[sb], d[db])
+        assert not d[9].any() and not d[10].any()
+
+    # a load of the second block of a chunk only (behind vLLM's own prefix hit)
+    meta = KVPoolMetadata(loads=[LoadSpec("c", [ChunkOp(saves[0].link, 2, [15], first_block=1)])])
+    dst.start_load(meta)
+    assert dst.take_load_errors() == set()
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        assert torch.equal(s[7], d[15])
+
+
+def test_other_rank_sees_nothing_and_dead_sidecar_is_errors_not_exceptions(sidecar_factory) -> None:
+    proc = sidecar_factory("16Mi")
+    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64, timeout_ms=300)
+    w0, w1 = KVPoolWorker(cfg, tp_rank=0), KVPoolWorker(cfg, tp_rank=1)
+    w0.register_kv_caches(_layers(2))
+    w1.register_kv_caches(_layers(None))
+    ops = _ops([[0, 1]])
+    meta = KVPoolMetadata(saves=[SaveSpec("a", 0, ops)])
+    w0.finish_step(meta)
+    meta = KVPoolMetadata(loads=[LoadSpec("a", ops)])
+    w1.start_load(meta)
+    assert w1.take_load_errors() == {0, 1}  # rank 1's key differs from rank 0's
+    proc.kill()
+    w0.start_load(meta)
+    assert w0.take_load_errors() == {0, 1}
+    w0.finish_step(KVPoolMetadata(saves=[SaveSpec("x", 0, _ops([[2, 3]]))]))  # no exception
+    assert w0.take_stats().data["sidecar_errors"] >= 2
