@@ -148,3 +148,25 @@ def test_a_chunk_changed_in_redis_is_never_served(sidecar_factory, redis) -> Non
     assert load(cb, [k]) == {}
     assert cb.get(k) is None
     assert cb.stats()["corrupt_dropped"] == 2
+
+
+def test_redis_absent_at_start_then_up(sidecar_factory) -> None:
+    """Pods may start before their Redis: the sidecar serves from the CPU tier and joins Redis later."""
+    from kvtest import free_port
+
+    port = free_port()
+    plain = sidecar_factory("16Mi", [f"redis://127.0.0.1:{port}/0"])
+    cluster = sidecar_factory("16Mi", [f"redis+cluster://127.0.0.1:{port}"])
+    for proc in (plain, cluster):
+        c = client(proc)
+        ready, reason = c.readyz()
+        assert not ready and f"127.0.0.1:{port}" in reason
+        assert save(c, {key(1, "early"): b"e" * 4096}) == [key(1, "early")]
+        assert load(c, [key(1, "early")]) == {key(1, "early"): b"e" * 4096}
+    with redis_with(port=port):
+        wait_until(lambda: client(plain).readyz()[0], 30, "the plain client to find Redis")
+        save(client(plain), {key(2, "late"): b"l" * 4096})
+        wait_until(lambda: redis_stats(client(plain))["written"] == 1, 30, "write-behind once Redis is up")
+        # a plain (non-cluster) Redis behind a cluster URL: not ready, and it says why
+        _, reason = client(cluster).readyz()
+        assert "cluster" in reason.lower()

@@ -137,3 +137,31 @@ def test_unreachable_sidecar_is_a_sidecar_error() -> None:
         c.lookup([key(1)])
     with pytest.raises(SidecarError):
         c.reserve([(key(1), 10)])
+
+
+def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
+    """A restarted sidecar has a new arena file and socket: the same client maps and connects anew."""
+    from kvtest import start_sidecar
+
+    proc = sidecar_factory("8Mi")
+    arena_dir = proc.info["arena_dir"]
+    c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(arena_dir))
+    (slot,) = c.reserve([(key(1, "e"), 1000)])
+    c.arena()[slot.offset : slot.offset + 1000] = b"1" * 1000
+    c.commit([slot])
+    proc.stop()
+    with pytest.raises(SidecarError):
+        c.lookup([key(1, "e")])
+    again = start_sidecar(arena_dir.parent, "8Mi", port=proc.info["port"])
+    try:
+        assert c.lookup([key(1, "e")]) == 0  # a new, empty arena
+        (slot,) = c.reserve([(key(2, "e"), 1000)])
+        c.arena()[slot.offset : slot.offset + 1000] = b"2" * 1000
+        c.commit([slot])
+        pinned = c.pin([key(2, "e")])
+        s = pinned.slots[0]
+        assert bytes(c.arena()[s.offset : s.offset + s.length]) == b"2" * 1000
+        c.release(pinned.lease)
+        assert c.get(key(2, "e")) == b"2" * 1000
+    finally:
+        again.stop()

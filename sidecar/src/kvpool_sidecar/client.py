@@ -114,6 +114,8 @@ class SidecarClient:
         self._control_mode = control
         self._arena: memoryview | None = None
         self._arena_map: mmap.mmap | None = None
+        self._arena_path: str | None = None
+        self._arena_inode = -1
         self._arena_lock = threading.Lock()
 
     # --- transport ---------------------------------------------------------------------------------
@@ -275,22 +277,34 @@ class SidecarClient:
     # --- zero-copy arena path: one round trip per batch ---------------------------------------------
 
     def arena(self) -> memoryview:
-        """A writable mapping of the whole arena (mapped once, cached)."""
+        """A writable mapping of the whole arena (mapped once, cached).
+
+        A restarted sidecar makes a new arena file; the mapping is renewed when the file at the
+        path is no longer the one mapped (a stat per call, about a microsecond). Views handed out
+        before stay on the old file: bytes written there fail their checksum and are never served.
+        """
         with self._arena_lock:
-            if self._arena is None:
-                path = self._arena_file()
+            path = self._arena_file() if self._arena_path is None else self._arena_path
+            try:
+                inode = os.stat(path).st_ino
+            except OSError as e:
+                raise SidecarError(f"cannot find the arena {path}: {e!r}") from e
+            if self._arena is not None and inode == self._arena_inode:
+                return self._arena
+            try:
+                fd = os.open(path, os.O_RDWR)
                 try:
-                    fd = os.open(path, os.O_RDWR)
-                    try:
-                        size = os.fstat(fd).st_size
-                        # MAP_POPULATE: page tables filled once here, not by faults during copies
-                        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                        self._arena_map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-                    finally:
-                        os.close(fd)
-                except (OSError, ValueError) as e:
-                    raise SidecarError(f"cannot map the arena {path}: {e!r}") from e
-                self._arena = memoryview(self._arena_map)
+                    size = os.fstat(fd).st_size
+                    # MAP_POPULATE: page tables filled once here, not by faults during copies
+                    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                    self._arena_map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+                    self._arena_inode = os.fstat(fd).st_ino
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError) as e:
+                raise SidecarError(f"cannot map the arena {path}: {e!r}") from e
+            self._arena_path = path
+            self._arena = memoryview(self._arena_map)
             return self._arena
 
     def _arena_file(self) -> str:

@@ -110,8 +110,9 @@ def connect(url: str, password: str | None = None) -> redis.Redis | RedisCluster
 
 @dataclass(eq=False)
 class Shard:
-    url: str  # as given (may hold a password): never logged
-    client: redis.Redis | RedisCluster
+    url: str = field(repr=False)  # as given (may hold a password): never logged
+    password: str | None = field(default=None, repr=False)
+    client: redis.Redis | RedisCluster | None = None  # made by check(): a cluster client connects at once
     name: str = ""
     up: bool = False
     reason: str = "not checked yet"
@@ -119,6 +120,23 @@ class Shard:
     def __post_init__(self) -> None:
         self.name = redact(self.url)
         self._id = self.name.encode()
+
+    def check(self) -> None:
+        """PING (connecting first if needed); marks the shard up or down with the reason."""
+        try:
+            if self.client is None:
+                self.client = connect(self.url, self.password)
+            self.client.ping()
+        except Exception as e:  # connection errors, auth, a bad URL, a cluster without slots
+            self.down(e)
+            return
+        if not self.up:
+            log.info("redis shard %s is up", self.name)
+        self.up, self.reason = True, "ok"
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
 
     def score(self, key: str) -> int:
         return checksum(self._id + key.encode())
@@ -177,13 +195,11 @@ class RedisTier:
     def _set_urls(self, urls: Sequence[str]) -> None:
         with self._lock:
             old = {s.url: s for s in self._shards}
-        shards = [
-            old.pop(u) if u in old else Shard(u, connect(u, self.password)) for u in dict.fromkeys(urls)
-        ]
+        shards = [old.pop(u) if u in old else Shard(u, self.password) for u in dict.fromkeys(urls)]
         with self._lock:
             self._shards = shards
         for gone in old.values():
-            gone.client.close()
+            gone.close()
         log.info("redis tier shards: %s", ", ".join(s.name for s in shards) or "none")
 
     def _read_urls_file(self) -> list[str] | None:
@@ -257,28 +273,21 @@ class RedisTier:
         for t in self._threads:
             t.join(timeout=5)
         for s in self._shards:
-            s.client.close()
+            s.close()
 
     def check_health(self) -> None:
         for s in self._shards:
-            try:
-                s.client.ping()
-            except _ERRORS as e:
-                s.down(e)
-                continue
-            if not s.up:
-                log.info("redis shard %s is up", s.name)
-            s.up, s.reason = True, "ok"
+            s.check()
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.health_interval):
-            urls = self._read_urls_file()
-            if urls is not None and urls != [s.url for s in self._shards]:
-                try:
+            try:
+                urls = self._read_urls_file()
+                if urls is not None and urls != [s.url for s in self._shards]:
                     self._set_urls(urls)
-                except (ValueError, *_ERRORS) as e:
-                    log.warning("bad redis URL in %s: %r", self.urls_file, e)
-            self.check_health()
+                self.check_health()
+            except Exception:  # this thread is what brings Redis back: it must not die
+                log.exception("redis health check failed")
 
     # --- write-behind -------------------------------------------------------------------------------
 
