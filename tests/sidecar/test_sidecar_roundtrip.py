@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 
@@ -95,37 +96,53 @@ def test_abort_frees_the_reservation(sidecar_factory) -> None:
     c.close()
 
 
-def test_many_clients_at_once(sidecar_factory) -> None:
-    """One client per TP rank, in threads: concurrent save/pin/load of the same and different keys."""
+def rank_workload(url: str, r: int) -> None:
+    """What one tensor-parallel rank does: save a batch (one key shared by all ranks), pin, check, release."""
+    c = SidecarClient(url, timeout=10)
+    arena = c.arena()
+    for round_ in range(20):
+        keys = [key(r * 1000 + round_ * 10 + j, "c") for j in range(4)] + [key(round_, "d")]
+        data = {k: (k.encode() * 200)[: 4096 + j] for j, k in enumerate(keys)}
+        slots = c.reserve([(k, len(v)) for k, v in data.items()])
+        for s in slots:
+            if s is not None:
+                arena[s.offset : s.offset + s.length] = data[s.key]
+        c.commit([s for s in slots if s is not None])
+        pinned = c.pin(keys[:4])
+        assert [s.key for s in pinned.slots] == keys[:4]
+        for s in pinned.slots:
+            assert checksum(arena[s.offset : s.offset + s.length]) == checksum(data[s.key])
+        c.release(pinned.lease)
+    c.close()
+
+
+def test_many_clients_at_once_threads_and_processes(sidecar_factory) -> None:
+    """One client per TP rank: 3 threads here and 3 other processes, saving and loading at once."""
     proc = sidecar_factory("32Mi")
+    url = proc.info["url"]
     errors: list[BaseException] = []
 
-    def rank(r: int) -> None:
+    def thread_rank(r: int) -> None:
         try:
-            c = SidecarClient(proc.info["url"], timeout=10)
-            arena = c.arena()
-            for round_ in range(20):
-                keys = [key(r * 1000 + round_ * 10 + j, "c") for j in range(4)] + [key(round_, "d")]
-                data = {k: (k.encode() * 200)[: 4096 + j] for j, k in enumerate(keys)}
-                slots = c.reserve([(k, len(v)) for k, v in data.items()])
-                for s in slots:
-                    if s is not None:
-                        arena[s.offset : s.offset + s.length] = data[s.key]
-                c.commit([s for s in slots if s is not None])
-                pinned = c.pin(keys[:4])
-                for s in pinned.slots:
-                    assert checksum(arena[s.offset : s.offset + s.length]) == checksum(data[s.key])
-                c.release(pinned.lease)
-            c.close()
+            rank_workload(url, r)
         except BaseException as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
-    for t in threads:
-        t.start()
+    ctx = multiprocessing.get_context("spawn")
+    processes = [ctx.Process(target=rank_workload, args=(url, r)) for r in range(3, 6)]
+    threads = [threading.Thread(target=thread_rank, args=(r,)) for r in range(3)]
+    for w in (*processes, *threads):
+        w.start()
     for t in threads:
         t.join()
+    for p in processes:
+        p.join(60)
     assert not errors, errors
+    assert [p.exitcode for p in processes] == [0, 0, 0]
+    stats = SidecarClient(url).stats()
+    assert (
+        stats["chunks"] == 6 * 20 * 4 + 20 and stats["pinned_leases"] == 0 and stats["reserved_chunks"] == 0
+    )
 
 
 def test_unreachable_sidecar_is_a_sidecar_error() -> None:
