@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import struct
@@ -269,7 +270,8 @@ class RedisTier:
 
     def close(self) -> None:
         self._stop.set()
-        self._queue.put(("", ""))  # wake the writer; its slot is free or it is busy and will see _stop
+        with contextlib.suppress(queue.Full):  # wake an idle writer; a busy one sees _stop next
+            self._queue.put_nowait(("", ""))
         for t in self._threads:
             t.join(timeout=5)
         for s in self._shards:
