@@ -77,6 +77,22 @@ def test_operator_pod_is_locked_down(rendered: Callable, values_file: Path | Non
 
 
 @pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+def test_operator_accepts_its_arguments(rendered: Callable, values_file: Path | None) -> None:
+    """The Deployment's arguments parse with the operator's own parser and mean what the chart says."""
+    from kvpool_operator.cli import parser
+
+    objects = rendered(values_file)
+    container = _operator(objects)["spec"]["containers"][0]
+    args = parser().parse_args(container["args"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert args.webhook_port == ports["webhook"] and args.webhook_addr == "0.0.0.0"
+    assert not args.webhook_insecure and not args.standalone
+    peerings = of_kind(objects, "ClusterKopfPeering") + of_kind(objects, "KopfPeering")
+    assert {p["metadata"]["name"] for p in peerings} == {args.peering}
+    assert bool(of_kind(objects, "ClusterKopfPeering")) == (not args.namespace)
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
 def test_probes_use_kopfs_liveness_endpoint(rendered: Callable, values_file: Path | None) -> None:
     container = _operator(rendered(values_file))["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -181,10 +197,32 @@ def test_disruption_budget_selects_the_operator(rendered: Callable) -> None:
     assert not of_kind(rendered(None), "PodDisruptionBudget")
 
 
-def test_pod_monitor_scrapes_the_sidecars(rendered: Callable) -> None:
+@pytest.mark.parametrize("legacy", [False, True], ids=["native-sidecar", "legacy-sidecar"])
+def test_pod_monitor_scrapes_the_injected_sidecars(rendered: Callable, legacy: bool) -> None:
+    """The PodMonitor selects what the operator's own injection makes of a pod, on its status port."""
+    from kvpool_operator.injection import inject
+    from kvpool_operator.pool import parse_pool
+    from kvpool_operator.settings import OperatorSettings
+
     assert not of_kind(rendered(None), "PodMonitor")
     monitor = find(rendered(CHART / "ci" / "monitoring-values.yaml"), "PodMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
-    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+
+    example = yaml.safe_load((CHART.parents[1] / "examples" / "cpu-only.yaml").read_text())
+    pool = parse_pool("default", example["metadata"]["name"], example["spec"])
+    labels = example["spec"]["selector"].get("matchLabels", {})
+    pod = {"metadata": {"name": "vllm-0", "namespace": "default", "labels": labels},
+           "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}}  # fmt: skip
+    injected = inject(pod, pool, OperatorSettings(legacy_sidecar=legacy))
+    pod_labels = injected["metadata"]["labels"]
+    for expr in monitor["spec"]["selector"]["matchExpressions"]:
+        assert expr["operator"] == "Exists" and expr["key"] in pod_labels
+    assert not of_kind(rendered(None), "PodMonitor")
+    spec = injected["spec"]
+    ports = {p["name"]: p["containerPort"] for c in spec["containers"] + spec.get("initContainers", [])
+             for p in c.get("ports", [])}  # fmt: skip
+    assert endpoint["port"] in ports
+    assert str(ports[endpoint["port"]]) == injected["metadata"]["annotations"]["kvpool.dev/status-port"]

@@ -10,11 +10,15 @@
 # Pods: counted for status; their sidecars' /stats are scraped by pod IP.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch]
-# What a pool owns: the connector ConfigMap, the shared tier's Secret, Service and StatefulSet.
+  verbs: [list]
+# What a pool owns: the connector ConfigMap, the shared tier's Secret (its generated password; an
+# external pool's Secret is only read), Service and StatefulSet.
 - apiGroups: [""]
-  resources: [configmaps, services]
+  resources: [configmaps]
   verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create, patch]
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create]
@@ -25,10 +29,19 @@
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# The owned objects' ownerReferences set blockOwnerDeletion, which the API server allows only to
+# who may update the owner's finalizers.
+- apiGroups: [kvpool.dev]
+  resources: [kvcachepools/finalizers]
+  verbs: [update]
 {{- if not .Values.watch.allNamespaces }}
 # kopf's peering in each watched namespace.
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
-  verbs: [list, watch, get, patch]
+  verbs: [list, watch]
+- apiGroups: [kopf.dev]
+  resources: [kopfpeerings]
+  resourceNames: [{{ .Values.operator.peering | quote }}]
+  verbs: [patch]
 {{- end }}
 {{- end -}}
