@@ -92,3 +92,23 @@ def test_stats_and_metrics(sidecar_factory) -> None:
     lines = text.decode().splitlines()
     assert "kvpool_stored_bytes 1000.0" in lines and "kvpool_ready 1.0" in lines
     assert all(ln.startswith(("# ", "kvpool_")) for ln in lines)
+
+
+def test_an_arena_that_cannot_be_made_is_a_clear_exit(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = [
+        sys.executable,
+        "-m",
+        "kvpool_sidecar",
+        "--arena-dir",
+        str(blocker / "arena"),
+        "--capacity",
+        "1Mi",
+    ]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert "cannot start" in run.stderr and "Traceback" not in run.stderr

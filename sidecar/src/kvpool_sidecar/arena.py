@@ -10,12 +10,6 @@ from pathlib import Path
 from kvpool_sidecar.wire import ARENA_FILE
 
 
-def map_file(fd: int, size: int) -> mmap.mmap:
-    """A shared writable mapping with its page tables filled at once (MAP_POPULATE where Linux has it)."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-
-
 class Arena:
     """A writable mapping of `<dir>/arena`. In a pod the dir is an emptyDir with medium Memory (tmpfs)."""
 
@@ -23,9 +17,10 @@ class Arena:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / ARENA_FILE
         self.size = size
-        # A fresh file every start: whatever a previous process left there is not ours to trust.
-        tmp = directory / (ARENA_FILE + ".new")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
+        # The same file across sidecar restarts (an emptyDir outlives its containers): a client
+        # that still maps it keeps a valid mapping, and memory is not held twice. Its old bytes are
+        # never trusted: the index starts empty, and every chunk is checksummed before it is served.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o660)
         try:
             os.ftruncate(fd, size)
             # Allocate every page now: a first touch during a save costs a page fault and zeroing
@@ -36,8 +31,9 @@ class Arena:
             except OSError as e:
                 msg = f"cannot allocate the {size}-byte arena in {directory}: {e.strerror}"
                 raise OSError(e.errno, msg) from e
-            os.replace(tmp, self.path)
-            self._mmap = map_file(fd, size)
+            # Not MAP_POPULATE here: filling page tables costs ~2.5 s per GiB on a small VM, and the
+            # sidecar itself only reads pages to verify them. The client populates its own mapping.
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.view = memoryview(self._mmap)

@@ -115,7 +115,7 @@ class SidecarClient:
         self._arena: memoryview | None = None
         self._arena_map: mmap.mmap | None = None
         self._arena_path: str | None = None
-        self._arena_inode = -1
+        self._arena_identity = (-1, -1)
         self._arena_lock = threading.Lock()
 
     # --- transport ---------------------------------------------------------------------------------
@@ -279,17 +279,21 @@ class SidecarClient:
     def arena(self) -> memoryview:
         """A writable mapping of the whole arena (mapped once, cached).
 
-        A restarted sidecar makes a new arena file; the mapping is renewed when the file at the
-        path is no longer the one mapped (a stat per call, about a microsecond). Views handed out
-        before stay on the old file: bytes written there fail their checksum and are never served.
+        The first call maps the whole arena with its page tables filled (MAP_POPULATE): a one-time
+        cost (about 2.5 s per GiB on the 2-core dev VM, far less on bare metal) that saves a page
+        fault per 4 KiB during copies, which held saves at a fifth of their speed.
+        A restarted sidecar keeps the arena file; should the file at the path be another one or
+        another size (a new pod volume, a new --capacity), the mapping is renewed (a stat per call,
+        about a microsecond). Views handed out before stay on the old file: bytes written there are
+        never committed, so never served.
         """
         with self._arena_lock:
             path = self._arena_file() if self._arena_path is None else self._arena_path
             try:
-                inode = os.stat(path).st_ino
+                st = os.stat(path)
             except OSError as e:
                 raise SidecarError(f"cannot find the arena {path}: {e!r}") from e
-            if self._arena is not None and inode == self._arena_inode:
+            if self._arena is not None and (st.st_ino, st.st_size) == self._arena_identity:
                 return self._arena
             try:
                 fd = os.open(path, os.O_RDWR)
@@ -298,7 +302,7 @@ class SidecarClient:
                     # MAP_POPULATE: page tables filled once here, not by faults during copies
                     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                     self._arena_map = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-                    self._arena_inode = os.fstat(fd).st_ino
+                    self._arena_identity = (os.fstat(fd).st_ino, size)
                 finally:
                     os.close(fd)
             except (OSError, ValueError) as e:
