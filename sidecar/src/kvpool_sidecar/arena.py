@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 from pathlib import Path
 
-from kvpool_sidecar.wire import ARENA_FILE
+from kvpool_sidecar.wire import ARENA_FILE, map_populated
 
 
 class Arena:
@@ -31,9 +30,7 @@ class Arena:
             except OSError as e:
                 msg = f"cannot allocate the {size}-byte arena in {directory}: {e.strerror}"
                 raise OSError(e.errno, msg) from e
-            # Not MAP_POPULATE here: filling page tables costs ~2.5 s per GiB on a small VM, and the
-            # sidecar itself only reads pages to verify them. The client populates its own mapping.
-            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = map_populated(fd, size)
         finally:
             os.close(fd)
         self.view = memoryview(self._mmap)

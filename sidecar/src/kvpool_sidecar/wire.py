@@ -7,6 +7,7 @@ so every value crossing the boundary is computed or checked by one function.
 from __future__ import annotations
 
 import json
+import mmap
 import re
 import struct
 from dataclasses import dataclass
@@ -63,3 +64,14 @@ def slot_from_json(obj: dict[str, Any]) -> Slot:
 def encode_frame(obj: Any) -> bytes:
     body = json.dumps(obj, separators=(",", ":")).encode()
     return FRAME_HEADER.pack(len(body)) + body
+
+
+def map_populated(fd: int, size: int) -> mmap.mmap:
+    """A shared writable mapping with its page tables filled at once (MAP_POPULATE).
+
+    Both the sidecar (HTTP bodies, promotions, checksum reads) and its clients copy through the
+    arena; a fault per 4 KiB page held copies at ~0.5 GB/s. Filling the tables up front costs
+    0.1-0.5 s per GiB on the 2-core dev VM (more when it is busy), once.
+    """
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
