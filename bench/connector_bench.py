@@ -3,7 +3,7 @@ through vLLM's own file-based ExampleConnector (its files in /dev/shm), as ratio
 
 Model: random-weight Llama, hidden 1024, 8 layers, 16 heads, 4 KV heads, float32 (the model of
 ../shared notes on other connectors); prompts of 2,000 random tokens; max_tokens 1; temperature 0.
-Each case runs in a fresh engine process with one warm-up prompt first, and one compute thread
+vLLM's own prefix cache is measured too, as the floor a warm run can reach. Each case runs in a fresh engine process with one warm-up prompt first, and one compute thread
 (VLLM_CPU_OMP_THREADS_BIND=0) in every case. Median and range over 5 prompts.
 Run: `.venv/bin/python -m bench connector`.
 """
@@ -24,7 +24,9 @@ REPEAT = 5
 BLOCK = 64
 
 
-def _spec(model: Path, connector: dict[str, Any] | None, warm: bool) -> dict[str, Any]:
+def _spec(
+    model: Path, connector: dict[str, Any] | None, warm: bool, prefix_caching: bool = False
+) -> dict[str, Any]:
     runs = [{"label": "warmup", "prompts": [random_prompt(PROMPT_TOKENS, BENCH.vocab, 999)], "max_tokens": 1}]
     for i in range(REPEAT):
         p = random_prompt(PROMPT_TOKENS, BENCH.vocab, i)
@@ -67,6 +69,8 @@ def main() -> None:
         with sidecar(work / "sidecar", "2Gi") as url:
             kvpool = run_engine(_spec(model, kvpool_connector_spec(url), warm=True), work, "kvpool")
             hit_rate = sidecar_stats(url)["hit_rate"]
+        # vLLM's own prefix cache in GPU (here CPU) memory: what a warm run costs with no transfer at all
+        prefix = run_engine(_spec(model, None, warm=True, prefix_caching=True), work, "prefix")
         (work / "example").mkdir()
         example_conn = {"name": "ExampleConnector", "extra": {"shared_storage_path": str(work / "example")}}
         example = run_engine(_spec(model, example_conn, warm=True), work, "example")
@@ -80,6 +84,7 @@ def main() -> None:
     print(_fmt("cold, no connector", _times(cold, "cold"), base))
     print(_fmt("kvpool, first run (saving)", _times(kvpool, "cold"), base))
     print(_fmt("kvpool, warm", _times(kvpool, "warm"), base))
+    print(_fmt("vLLM prefix caching, warm (no transfer: the floor)", _times(prefix, "warm"), base))
     print(_fmt("ExampleConnector, first run (saving)", _times(example, "cold"), base))
     print(_fmt("ExampleConnector, warm", _times(example, "warm"), base))
     warm_k, warm_e = statistics.median(_times(kvpool, "warm")), statistics.median(_times(example, "warm"))
