@@ -3,7 +3,8 @@ through vLLM's own file-based ExampleConnector (its files in /dev/shm), as ratio
 
 Model: random-weight Llama, hidden 1024, 8 layers, 16 heads, 4 KV heads, float32 (the model of
 ../shared notes on other connectors); prompts of 2,000 random tokens; max_tokens 1; temperature 0.
-vLLM's own prefix cache is measured too, as the floor a warm run can reach. Each case runs in a fresh engine process with one warm-up prompt first, and one compute thread
+vLLM's own prefix cache is measured too, as the floor a warm run can reach.
+Each case runs in a fresh engine process with one warm-up prompt first, and one compute thread
 (VLLM_CPU_OMP_THREADS_BIND=0) in every case. Median and range over 5 prompts.
 Run: `.venv/bin/python -m bench connector`.
 """
