@@ -15,7 +15,7 @@ import numpy as np
 import redis
 from redis._parsers import _RESP2Parser
 
-from bench.stats import Rate, latencies_ms, load_note, memcpy_rate, rate, ratio
+from bench.stats import Compared, compare, latencies_ms, load_note
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvtest import redis_server, start_sidecar
@@ -40,16 +40,14 @@ class Keys:
         return [f"{i:064x}" for i in range(self.n - count, self.n)]
 
 
-def line(what: str, r: Rate, base: Rate) -> None:
-    print(f"  {what:<44} {r}  {ratio(r, base)}")
+def line(what: str, c: Compared) -> None:
+    print(f"  {what:<46} {c}")
 
 
 def arena_and_http(c: SidecarClient, size: int, keys: Keys) -> None:
     count = BATCH_BYTES // size
     payloads = [os.urandom(1024) * (size // 1024) for _ in range(count)]
-    base = memcpy_rate(size * count)
     print(f" {size // MiB} MiB chunks, batches of {count} ({count * size // MiB} MiB):")
-    print(f"  {'memcpy (numpy copyto, same bytes)':<44} {base}")
     arena = c.arena()
     batch: list[str] = []
 
@@ -62,7 +60,7 @@ def arena_and_http(c: SidecarClient, size: int, keys: Keys) -> None:
             arena[s.offset : s.offset + s.length] = data
         c.commit(slots)
 
-    line("arena save (reserve, copy in, commit)", rate(count * size, save, setup=fresh), base)
+    line("arena save (reserve, copy in, commit)", compare(count * size, save, setup=fresh))
     dst = [memoryview(bytearray(size)) for _ in range(count)]  # memoryview: a plain memcpy on assignment
 
     def load() -> None:
@@ -72,19 +70,19 @@ def arena_and_http(c: SidecarClient, size: int, keys: Keys) -> None:
             out[:] = arena[s.offset : s.offset + s.length]
         c.release(pinned.lease)
 
-    line("arena load (pin+verify, copy out, release)", rate(count * size, load), base)
+    line("arena load (pin+verify, copy out, release)", compare(count * size, load))
 
     def put() -> None:
         for k, data in zip(batch, payloads, strict=True):
             assert c.put(k, data)
 
-    line("HTTP PUT octet-stream", rate(count * size, put, setup=fresh), base)
+    line("HTTP PUT octet-stream", compare(count * size, put, setup=fresh))
 
     def get() -> None:
         for k in batch:
             assert c.get(k) is not None
 
-    line("HTTP GET octet-stream", rate(count * size, get), base)
+    line("HTTP GET octet-stream", compare(count * size, get))
 
 
 def lookup_and_control(c: SidecarClient, url: str, arena_dir: str, keys: Keys) -> None:
@@ -108,27 +106,27 @@ def lookup_and_control(c: SidecarClient, url: str, arena_dir: str, keys: Keys) -
 
 def redis_tier(redis_url: str, workdir: Path) -> None:
     """In-process: the tier's own write (SET pieces) and promotion (GET pieces into the arena)."""
-    size, count = 4 * MiB, 16
-    base = memcpy_rate(size * count)
-    print(f" Redis tier, 32 MiB chunks ({count // 2} per batch, 4 MiB pieces), one connection, in-process:")
-    print(f"  {'memcpy (same bytes)':<44} {base}")
+    count = 8
+    print(f" Redis tier, 32 MiB chunks ({count} per batch, 4 MiB pieces), one connection, in-process:")
     src = Store(Arena(workdir / "a", 256 * MiB))
-    chunks = {f"{i:064x}": os.urandom(1024) * (32 * MiB // 1024) for i in range(count // 2)}
+    chunks = {f"{i:064x}": os.urandom(1024) * (32 * MiB // 1024) for i in range(count)}
     for k, v in chunks.items():
         src.put(k, v)
     plain = redis.Redis.from_url(redis_url)
     variants = {
-        "python packer + hiredis parser (chosen)": {"connection_class": _Connection},
-        "hiredis packer + hiredis parser (default)": {},
-        "python packer + python parser": {"connection_class": _Connection, "parser_class": _RESP2Parser},
+        "py packer+hiredis parser (chosen)": {"connection_class": _Connection},
+        "hiredis packer+parser (default)": {},
+        "py packer+py parser": {"connection_class": _Connection, "parser_class": _RESP2Parser},
     }
     nbytes = sum(map(len, chunks.values()))
     for name, kwargs in variants.items():
         writer = RedisTier(src, (redis_url,))
         writer._shards[0].client = redis.Redis.from_url(redis_url, **kwargs)
         writer.check_health()
-        line(f"write-behind SET, {name}", rate(nbytes, lambda w=writer: [w.write(k) for k in chunks],
-                                               setup=plain.flushall), base)  # fmt: skip
+        line(
+            f"SET, {name}",
+            compare(nbytes, lambda w=writer: [w.write(k) for k in chunks], setup=plain.flushall),
+        )
         dst = Store(Arena(workdir / "b", 512 * MiB))
         reader = RedisTier(dst, (redis_url,))
         reader._shards[0].client = redis.Redis.from_url(redis_url, **kwargs)
@@ -145,7 +143,7 @@ def redis_tier(redis_url: str, workdir: Path) -> None:
             with d.pinned(list(chunks)) as slots:
                 assert len(slots) == len(chunks)
 
-        line(f"promote GET+verify, {name}", rate(nbytes, promote, setup=forget), base)
+        line(f"promote, {name}", compare(nbytes, promote, setup=forget))
         for t in (writer, reader):
             for s in t._shards:
                 s.client.close()

@@ -12,56 +12,78 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Rate:
-    """Throughput over repetitions, GB/s (10^9 bytes, each byte counted once)."""
-
+class Spread:
     median: float
     low: float
     high: float
 
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        return cls(statistics.median(values), min(values), max(values))
+
+
+@dataclass(frozen=True)
+class Compared:
+    """A path's throughput and the memcpy of the same bytes, timed alternately in the same run."""
+
+    rate: Spread  # GB/s (10^9 bytes, each byte counted once)
+    memcpy: Spread  # GB/s
+    ratio: Spread  # rate / memcpy, per repetition
+
     def __str__(self) -> str:
-        return f"{self.median:6.2f} GB/s [{self.low:.2f}-{self.high:.2f}]"
+        r, m, q = self.rate, self.memcpy, self.ratio
+        return (
+            f"{r.median:6.2f} GB/s [{r.low:.2f}-{r.high:.2f}]  = {q.median:4.2f}x memcpy "
+            f"[{q.low:.2f}-{q.high:.2f}]  (memcpy {m.median:.2f} [{m.low:.2f}-{m.high:.2f}])"
+        )
 
 
-def rate(
-    nbytes: int, run: Callable[[], object], repeat: int = 7, setup: Callable[[], object] | None = None
-) -> Rate:
-    """Runs `run` `repeat` times (after one warm-up), `setup` untimed before each."""
-    rates = []
+class Memcpy:
+    """The baseline: one copy of nbytes between two buffers, out of cache (4 sources rotated)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.sources = [
+            np.frombuffer(os.urandom(1024), dtype=np.uint8).repeat(nbytes // 1024) for _ in range(4)
+        ]
+        self.dst = np.empty(nbytes, dtype=np.uint8)
+        self.i = 0
+
+    def __call__(self) -> None:
+        self.i += 1
+        np.copyto(self.dst, self.sources[self.i % len(self.sources)])
+
+
+def _timed(run: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    run()
+    return time.perf_counter() - t
+
+
+def compare(
+    nbytes: int, run: Callable[[], object], setup: Callable[[], object] | None = None, repeat: int = 7
+) -> Compared:
+    """Times `run` and a memcpy of nbytes alternately, `repeat` times after one warm-up of each;
+    `setup` runs untimed before each `run`. Alternating keeps the ratio honest on a busy machine."""
+    memcpy = Memcpy(nbytes)
+    rates, bases, ratios = [], [], []
     for i in range(repeat + 1):
+        base = nbytes / _timed(memcpy) / 1e9
         if setup is not None:
             setup()
-        t = time.perf_counter()
-        run()
-        dt = time.perf_counter() - t
+        rate = nbytes / _timed(run) / 1e9
         if i:
-            rates.append(nbytes / dt / 1e9)
-    return Rate(statistics.median(rates), min(rates), max(rates))
+            rates.append(rate)
+            bases.append(base)
+            ratios.append(rate / base)
+    return Compared(Spread.of(rates), Spread.of(bases), Spread.of(ratios))
 
 
 def latencies_ms(run: Callable[[], object], n: int) -> tuple[float, float]:
     """(p50, p99) in milliseconds over n calls after 50 warm-up calls."""
     for _ in range(50):
         run()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        run()
-        out.append((time.perf_counter() - t) * 1e3)
-    out.sort()
+    out = sorted(_timed(run) * 1e3 for _ in range(n))
     return out[len(out) // 2], out[min(len(out) - 1, int(len(out) * 0.99))]
-
-
-def memcpy_rate(nbytes: int, repeat: int = 7) -> Rate:
-    """The baseline: one copy of nbytes between two buffers, out of cache (4 sources rotated)."""
-    sources = [np.frombuffer(os.urandom(1024), dtype=np.uint8).repeat(nbytes // 1024) for _ in range(4)]
-    dst = np.empty(nbytes, dtype=np.uint8)
-    it = iter(range(10**9))
-    return rate(nbytes, lambda: np.copyto(dst, sources[next(it) % len(sources)]), repeat)
-
-
-def ratio(x: Rate, base: Rate) -> str:
-    return f"{x.median / base.median:5.2f}x memcpy"
 
 
 def load_note() -> str:
