@@ -3,7 +3,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,10 +41,20 @@ def cluster(crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> It
     old = os.environ.get("KUBECONFIG")
     os.environ["KUBECONFIG"] = str(kubeconfig)
     argv = [
-        "--webhook-insecure", "--webhook-addr", "127.0.0.1", "--webhook-port", str(port),
-        "--stats-interval", "0.3", "--scale-cooldown", str(SCALE_COOLDOWN),
-        "--sidecar-image", "kvpool/sidecar:test", "--liveness", "",
-    ]  # fmt: skip
+        "--webhook-insecure",
+        "--webhook-addr",
+        "127.0.0.1",
+        "--webhook-port",
+        str(port),
+        "--stats-interval",
+        "0.5",
+        "--scale-cooldown",
+        str(SCALE_COOLDOWN),
+        "--sidecar-image",
+        "kvpool/sidecar:test",
+        "--liveness",
+        "",
+    ]
     operator = OperatorThread(argv, memory)
     try:
         wait_until(lambda: operator.ready_flag.is_set() or operator.error, 60, "the operator to start")

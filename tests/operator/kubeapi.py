@@ -22,10 +22,12 @@ from typing import Any, TypeVar
 
 import kmock
 import kopf
+
 from kvpool_operator.cli import build
 from kvpool_operator.pool import Pool
 
 T = TypeVar("T")
+TEST_AGENT = "kvpool-tests"  # marks the tests' own requests, to tell them from the operator's
 _versions = itertools.count(1000)
 
 
@@ -104,12 +106,14 @@ class KubeAPI:
 
     # --- what tests read -----------------------------------------------------------------------
 
-    def requests(self) -> list[tuple[str, str, str]]:
-        """(method, path, query) of every request kmock has served so far."""
+    def requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        """(method, path, query) of every request the operator (not the tests) sent so far."""
 
-        async def read() -> list[tuple[str, str, str]]:
+        async def read() -> list[tuple[str, str, dict[str, str]]]:
             return [
-                (str(r.method.value), r.url.path, r.url.query_string) for r in list(self.emulator.requests)
+                (str(r.method.value), r.url.path, dict(r.url.query))
+                for r in list(self.emulator)
+                if r.headers.get("User-Agent") != TEST_AGENT
             ]
 
         return self.thread.call(read())
@@ -121,7 +125,10 @@ class KubeAPI:
     ) -> Any:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": content_type}
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": content_type, "User-Agent": TEST_AGENT},
         )
         try:
             with urllib.request.urlopen(req, timeout=10) as rsp:
@@ -184,10 +191,12 @@ class MemoryGauge:
 
     def __init__(self) -> None:
         self.values: dict[str, float | None] = {}
+        self.reads: dict[str, int] = {}  # how often the operator measured each pool: once per refresh
 
     async def __call__(
         self, pool: Pool, shard_pods: list[dict[str, Any]], password: str | None
     ) -> float | None:
+        self.reads[pool.name] = self.reads.get(pool.name, 0) + 1
         return self.values.get(pool.name)
 
 

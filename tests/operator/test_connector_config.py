@@ -39,9 +39,14 @@ def test_connector_loads_the_operators_config_without_warnings(crd: dict[str, An
 
 def test_every_pool_setting_reaches_the_connector(crd: dict[str, Any]) -> None:
     spec = {
-        "chunkSize": 512, "priorityLimit": 2, "saveDecodeCache": True, "skipLastNTokens": 3,
-        "discardPartialChunks": True, "sidecar": {"port": 9000}, "extraConfig": {"timeout_ms": 250},
-    }  # fmt: skip
+        "chunkSize": 512,
+        "priorityLimit": 2,
+        "saveDecodeCache": True,
+        "skipLastNTokens": 3,
+        "discardPartialChunks": True,
+        "sidecar": {"port": 9000},
+        "extraConfig": {"timeout_ms": 250},
+    }
     config, warnings = kv_transfer_config(pool_of(spec, crd))
     assert warnings == []
     assert {
@@ -56,9 +61,16 @@ def test_every_pool_setting_reaches_the_connector(crd: dict[str, Any]) -> None:
     loaded, unknown = load_config(config["kv_connector_extra_config"])
     assert unknown == []
     assert loaded == KVPoolConfig(
-        sidecar_url="http://127.0.0.1:9000", shm_path="/var/run/kvpool", chunk_size=512, priority_limit=2,
-        save_decode_cache=True, skip_last_n_tokens=3, discard_partial_chunks=True, timeout_ms=250, pool="team/llama",
-    )  # fmt: skip
+        sidecar_url="http://127.0.0.1:9000",
+        shm_path="/var/run/kvpool",
+        chunk_size=512,
+        priority_limit=2,
+        save_decode_cache=True,
+        skip_last_n_tokens=3,
+        discard_partial_chunks=True,
+        timeout_ms=250,
+        pool="team/llama",
+    )
 
 
 def test_priority_limit_only_when_set(crd: dict[str, Any]) -> None:

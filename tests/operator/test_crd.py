@@ -45,8 +45,13 @@ def test_crd_names_columns_and_status(crd: dict[str, Any]) -> None:
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
-        "Backend", "Capacity", "Pods", "Ready", "Hit rate", "Age",
-    ]  # fmt: skip
+        "Backend",
+        "Capacity",
+        "Pods",
+        "Ready",
+        "Hit rate",
+        "Age",
+    ]
 
 
 def test_examples_cover_the_four_cases() -> None:
@@ -91,32 +96,67 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("unknown field", {"chunksize": 128}, "spec"),
     ("empty selector", {"selector": {}}, "spec.selector"),
     ("selector matchLabels empty", {"selector": {"matchLabels": {}}}, "spec.selector"),
-    ("selector bad operator", {"selector": {"matchExpressions": [{"key": "a", "operator": "Like"}]}},
-     "spec.selector.matchExpressions[0].operator"),
-    ("selector In without values", {"selector": {"matchExpressions": [{"key": "a", "operator": "In"}]}},
-     "spec.selector.matchExpressions[].values"),
+    (
+        "selector bad operator",
+        {"selector": {"matchExpressions": [{"key": "a", "operator": "Like"}]}},
+        "spec.selector.matchExpressions[0].operator",
+    ),
+    (
+        "selector In without values",
+        {"selector": {"matchExpressions": [{"key": "a", "operator": "In"}]}},
+        "spec.selector.matchExpressions[].values",
+    ),
     ("redis backend without redis", {"backend": "redis"}, "spec.redis"),
     ("redis section on cpu backend", {"redis": {"mode": "shared"}}, "spec.redis"),
     ("external without url", {"backend": "redis", "redis": {"mode": "external"}}, "spec.redis.url"),
-    ("url in shared mode", {"backend": "redis", "redis": {"mode": "shared", "url": "redis://r:6379"}},
-     "spec.redis.url"),
-    ("url not redis", {"backend": "redis", "redis": {"mode": "external", "url": "http://r:6379"}}, "spec.redis.url"),
-    ("password ref in shared mode",
-     {"backend": "redis", "redis": {"mode": "shared", "passwordSecretRef": {"name": "s"}}},
-     "spec.redis.passwordSecretRef"),
+    (
+        "url in shared mode",
+        {"backend": "redis", "redis": {"mode": "shared", "url": "redis://r:6379"}},
+        "spec.redis.url",
+    ),
+    (
+        "url not redis",
+        {"backend": "redis", "redis": {"mode": "external", "url": "http://r:6379"}},
+        "spec.redis.url",
+    ),
+    (
+        "password ref in shared mode",
+        {"backend": "redis", "redis": {"mode": "shared", "passwordSecretRef": {"name": "s"}}},
+        "spec.redis.passwordSecretRef",
+    ),
     ("unknown redis mode", {"backend": "redis", "redis": {"mode": "sentinel"}}, "spec.redis.mode"),
-    ("shards out of range", {"backend": "redis", "redis": {"mode": "shared", "replicas": 0}}, "spec.redis.replicas"),
-    ("redis memory not a quantity", {"backend": "redis", "redis": {"mode": "shared", "memory": "1 GB"}},
-     "spec.redis.memory"),
-    ("min above max", {**SHARED, "scaling": {"minReplicas": 4, "maxReplicas": 2}}, "spec.scaling.minReplicas"),
+    (
+        "shards out of range",
+        {"backend": "redis", "redis": {"mode": "shared", "replicas": 0}},
+        "spec.redis.replicas",
+    ),
+    (
+        "redis memory not a quantity",
+        {"backend": "redis", "redis": {"mode": "shared", "memory": "1 GB"}},
+        "spec.redis.memory",
+    ),
+    (
+        "min above max",
+        {**SHARED, "scaling": {"minReplicas": 4, "maxReplicas": 2}},
+        "spec.scaling.minReplicas",
+    ),
     ("scaling without max", {**SHARED, "scaling": {"minReplicas": 1}}, "spec.scaling.maxReplicas"),
-    ("target above 100", {**SHARED, "scaling": {"maxReplicas": 2, "targetMemoryUtilization": 120}},
-     "spec.scaling.targetMemoryUtilization"),
+    (
+        "target above 100",
+        {**SHARED, "scaling": {"maxReplicas": 2, "targetMemoryUtilization": 120}},
+        "spec.scaling.targetMemoryUtilization",
+    ),
     ("scaling on cpu backend", {"scaling": {"maxReplicas": 2}}, "spec.scaling"),
-    ("scaling on external redis",
-     {"backend": "redis", "redis": {"mode": "external", "url": "redis://r:6379"}, "scaling": {"maxReplicas": 2}},
-     "spec.scaling"),
-]  # fmt: skip
+    (
+        "scaling on external redis",
+        {
+            "backend": "redis",
+            "redis": {"mode": "external", "url": "redis://r:6379"},
+            "scaling": {"maxReplicas": 2},
+        },
+        "spec.scaling",
+    ),
+]
 
 
 @pytest.mark.parametrize(("case", "spec", "field"), INVALID, ids=[c for c, _, _ in INVALID])
@@ -137,12 +177,18 @@ def test_missing_selector_is_refused(crd: dict[str, Any]) -> None:
 def test_cel_rules_accept_what_they_should(crd: dict[str, Any]) -> None:
     accepted = [
         {**SHARED, "scaling": {"minReplicas": 2, "maxReplicas": 2}},
-        {"backend": "redis", "redis": {"mode": "external", "url": "rediss://r:6380/1",
-                                        "passwordSecretRef": {"name": "s"}}},
+        {
+            "backend": "redis",
+            "redis": {"mode": "external", "url": "rediss://r:6380/1", "passwordSecretRef": {"name": "s"}},
+        },
         {"selector": {"matchExpressions": [{"key": "a", "operator": "Exists"}]}},
         {"selector": {"matchExpressions": [{"key": "a", "operator": "NotIn", "values": ["x"]}]}},
-        {"capacity": 1073741824, "priorityLimit": -3, "extraConfig": {"timeout_ms": 200, "anything": {"nested": 1}}},
-    ]  # fmt: skip
+        {
+            "capacity": 1073741824,
+            "priorityLimit": -3,
+            "extraConfig": {"timeout_ms": 200, "anything": {"nested": 1}},
+        },
+    ]
     for spec in accepted:
         assert validate(crd, pool(**spec)) == [], spec
 
@@ -150,8 +196,11 @@ def test_cel_rules_accept_what_they_should(crd: dict[str, Any]) -> None:
 def test_problems_the_schema_cannot_see_name_the_field() -> None:
     cases = {
         "spec.capacity": {"capacity": "1Mi"},
-        "spec.sidecar.resources.limits.memory": {"capacity": "4Gi", "sidecar": {"resources": {"limits": {"memory": "1Gi"}}}},
-    }  # fmt: skip
+        "spec.sidecar.resources.limits.memory": {
+            "capacity": "4Gi",
+            "sidecar": {"resources": {"limits": {"memory": "1Gi"}}},
+        },
+    }
     for field, spec in cases.items():
         found = problems(parse_pool("ns", "p", {"selector": {"matchLabels": {"a": "b"}}, **spec}))
         assert any(field in p for p in found), (field, found)

@@ -1,24 +1,461 @@
+"""The operator against kmock (a Kubernetes API emulator): pools become ConfigMaps, status, a shared
+Redis tier; spec changes and outdated pods; stats from a real sidecar; scaling and its cooldown;
+deletion. kmock's gaps are worked around in tests/operator/kubeapi.py, never in the operator."""
+
 from __future__ import annotations
 
+import base64
 import json
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import pytest
 from conftest import Cluster
-from kubeapi import core_path, pool_path
-from kvtest import wait_until
+from kubeapi import apps_path, core_path, pool_path, secret_value
+from kvtest import free_port, wait_until
+from webhooks import admitted
+
+from kvpool_connector.config import load_config
+from kvpool_operator import kube
+from kvpool_sidecar.client import SidecarClient
+
+_created: list[tuple[str, str]] = []
+
+
+def create_pool(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    _created.append((namespace, name))
+    return cluster.api.create(
+        pool_path(namespace),
+        {
+            "apiVersion": "kvpool.dev/v1alpha1",
+            "kind": "KVCachePool",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": spec,
+        },
+    )
+
+
+@pytest.fixture(autouse=True)
+def _delete_pools_afterwards(cluster: Cluster) -> Iterator[None]:
+    """Each test's pools go when it ends: their timers would only load the shared operator."""
+    assert cluster.operator.thread.is_alive(), cluster.operator.error
+    yield
+    while _created:
+        namespace, name = _created.pop()
+        cluster.api.delete(pool_path(namespace, name))
+
+
+def pool_status(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    return (cluster.api.get(pool_path(namespace, name)) or {}).get("status") or {}
+
+
+def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in status.get("conditions") or [] if c["type"] == type_), {})
+
+
+def wait_status(
+    cluster: Cluster, namespace: str, name: str, check: Callable[[dict[str, Any]], Any], what: str
+) -> dict:
+    wait_until(lambda: check(pool_status(cluster, namespace, name)), 30, what)
+    return pool_status(cluster, namespace, name)
+
+
+def owned_by(obj: dict[str, Any], pool: dict[str, Any]) -> bool:
+    return obj["metadata"].get("ownerReferences") == [
+        {
+            "apiVersion": "kvpool.dev/v1alpha1",
+            "kind": "KVCachePool",
+            "name": pool["metadata"]["name"],
+            "uid": pool["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+
+
+def run_pod(
+    cluster: Cluster, namespace: str, name: str, labels: dict[str, str], *, ready: bool, **meta: Any
+) -> dict:
+    """A pod as a ReplicaSet would create it: through the webhook, then stored, then (kmock has no
+    kubelet) given the status the kubelet would report."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "vllm-", "labels": labels, **meta},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai", "args": ["--model", "m"]}]},
+    }
+    pod, _ = admitted(cluster.webhook_url, pod, namespace)
+    pod["metadata"].update(name=name, namespace=namespace)
+    cluster.api.create(core_path(namespace, "pods"), pod)
+    status = {
+        "phase": "Running",
+        "podIP": "127.0.0.1",
+        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+    }
+    cluster.api.patch(core_path(namespace, "pods", name), {"status": status})
+    return pod
 
 
 def test_cpu_pool_gets_configmap_and_ready_status(cluster: Cluster) -> None:
-    api = cluster.api
-    api.create(pool_path("cpu"), {
-        "apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
-        "metadata": {"name": "p", "namespace": "cpu"},
-        "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "capacity": "1Gi"},
-    })  # fmt: skip
-    cm = wait_until(lambda: api.get(core_path("cpu", "configmaps", "p-kvpool")), 30, "the ConfigMap")
-    print(json.dumps(cm, indent=1))
-    pool = wait_until(
-        lambda: (p := api.get(pool_path("cpu", "p"))) and p.get("status", {}).get("connectorConfig") and p,
-        30,
-        "status",
+    pool = create_pool(
+        cluster, "cpu", "llama", {"selector": {"matchLabels": {"app": "vllm"}}, "capacity": "1Gi"}
     )
-    print(json.dumps(pool, indent=1))
+    status = wait_status(
+        cluster, "cpu", "llama", lambda s: condition(s, "Ready").get("status") == "True", "Ready"
+    )
+    cm = cluster.api.get(core_path("cpu", "configmaps", "llama-kvpool"))
+    assert cm is not None and owned_by(cm, pool)
+    assert cm["data"] == {"kv-transfer-config.json": status["connectorConfig"]}
+    config = json.loads(status["connectorConfig"])
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert load_config(config["kv_connector_extra_config"])[1] == []
+    assert status["observedGeneration"] == 1
+    assert condition(status, "Degraded")["status"] == "False"
+    wait_until(
+        lambda: any(e["reason"] == "ConfigUpdated" for e in cluster.api.events("cpu", "llama")), 30, "event"
+    )
+
+
+def test_changing_chunk_size_and_priority_updates_config_and_counts_outdated(cluster: Cluster) -> None:
+    ns, selector = "upd", {"matchLabels": {"app": "vllm"}}
+    create_pool(cluster, ns, "llama", {"selector": selector, "chunkSize": 256})
+    wait_status(cluster, ns, "llama", lambda s: s.get("connectorConfig"), "config")
+    run_pod(cluster, ns, "ready-1", {"app": "vllm"}, ready=True)
+    run_pod(cluster, ns, "starting-1", {"app": "vllm"}, ready=False)
+    run_pod(cluster, ns, "opted-out", {"app": "vllm"}, ready=True, annotations={"kvpool.dev/inject": "false"})
+    run_pod(cluster, ns, "other-app", {"app": "web"}, ready=True)
+    wait_status(
+        cluster,
+        ns,
+        "llama",
+        lambda s: (s.get("matchedPods"), s.get("readyPods"), s.get("outdatedPods")) == (2, 1, 0),
+        "2 matched, 1 ready, 0 outdated",
+    )
+
+    cluster.api.patch(
+        pool_path(ns, "llama"), {"spec": {"chunkSize": 512, "priorityLimit": 5}}, new_generation=True
+    )
+    status = wait_status(
+        cluster,
+        ns,
+        "llama",
+        lambda s: s.get("observedGeneration") == 2 and s.get("outdatedPods") == 2,
+        "the new config and 2 outdated pods",
+    )
+    extra = json.loads(status["connectorConfig"])["kv_connector_extra_config"]
+    assert (extra["chunk_size"], extra["priority_limit"]) == (512, 5)
+    cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))
+    assert cm["data"]["kv-transfer-config.json"] == status["connectorConfig"]
+
+    fresh = run_pod(cluster, ns, "ready-2", {"app": "vllm"}, ready=True)  # a replacement gets the new config
+    args = fresh["spec"]["containers"][0]["args"]
+    assert args[args.index("--kv-transfer-config") + 1] == status["connectorConfig"]
+    wait_status(
+        cluster,
+        ns,
+        "llama",
+        lambda s: (s.get("matchedPods"), s.get("readyPods"), s.get("outdatedPods")) == (3, 2, 2),
+        "3 matched, 2 ready, still 2 outdated",
+    )
+
+
+def test_status_stats_come_from_the_ready_sidecars(
+    cluster: Cluster, sidecar_factory: Callable[..., Any]
+) -> None:
+    port = next(p for p in iter(free_port, None) if p < 65000 and _free(p + 1))
+    sidecar = sidecar_factory("64Mi", (), "--status-port", str(port + 1), port=port)
+    client = SidecarClient(sidecar.info["url"])
+    keys = [f"{i:032x}" for i in range(3)]
+    for key in keys[:2]:
+        assert client.put(key, b"x" * 4096)
+    assert client.lookup(keys) == 2  # a hit of 2 chunks, then a miss
+    ns = "stats"
+    create_pool(
+        cluster,
+        ns,
+        "llama",
+        {"selector": {"matchLabels": {"app": "vllm"}}, "capacity": "64Mi", "sidecar": {"port": port}},
+    )
+    wait_status(cluster, ns, "llama", lambda s: s.get("connectorConfig"), "config")
+    run_pod(cluster, ns, "vllm-0", {"app": "vllm"}, ready=True)
+    expected = client.stats()
+    status = wait_status(cluster, ns, "llama", lambda s: s.get("stats", {}).get("sidecars") == 1, "stats")
+    stats = status["stats"]
+    assert stats["capacityBytes"] == 64 * 2**20 == expected["capacity_bytes"]
+    assert stats["storedBytes"] == expected["stored_bytes"] >= 2 * 4096
+    assert stats["hits"] == expected["hits"] and stats["misses"] == expected["misses"]
+    assert stats["hitRate"] == round(expected["hits"] / (expected["hits"] + expected["misses"]), 4) > 0
+    client.close()
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster) -> None:
+    ns = "shared"
+    pool = create_pool(
+        cluster,
+        ns,
+        "llama",
+        {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "backend": "redis",
+            "redis": {"mode": "shared", "replicas": 2, "memory": "512Mi"},
+        },
+    )
+    status = wait_status(cluster, ns, "llama", lambda s: s.get("connectorConfig"), "config")
+    assert condition(status, "Ready")["reason"] == "SharedTierStarting"  # no shard is ready yet
+
+    secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis"))
+    password = secret_value(secret, "password")
+    assert len(password) >= 32 and owned_by(secret, pool)
+    service = cluster.api.get(core_path(ns, "services", "llama-kvpool-redis"))
+    sts = cluster.api.get(apps_path(ns, "statefulsets", "llama-kvpool-redis"))
+    assert owned_by(service, pool) and owned_by(sts, pool)
+    assert service["spec"]["clusterIP"] == "None"
+    selector = sts["spec"]["selector"]["matchLabels"]
+    assert service["spec"]["selector"] == selector
+    assert sts["spec"]["template"]["metadata"]["labels"].items() >= selector.items()
+    assert sts["spec"]["replicas"] == 2 and sts["spec"]["serviceName"] == "llama-kvpool-redis"
+    (redis,) = sts["spec"]["template"]["spec"]["containers"]
+    assert redis["resources"] == {
+        "requests": {"cpu": "250m", "memory": "512Mi"},
+        "limits": {"memory": "512Mi"},
+    }
+    assert redis["args"][redis["args"].index("--maxmemory") + 1] == str(int(512 * 2**20 * 0.9))
+    assert redis["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "llama-kvpool-redis", "key": "password"}
+    assert sts["spec"]["template"]["metadata"]["labels"]["kvpool.dev/inject"] == "false"  # never injected
+    cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))
+    assert cm["data"]["redis-urls"].splitlines() == [
+        f"redis://llama-kvpool-redis-{i}.llama-kvpool-redis.shared.svc:6379/0" for i in range(2)
+    ]
+
+    cluster.api.patch(apps_path(ns, "statefulsets", "llama-kvpool-redis"), {"status": {"readyReplicas": 2}})
+    status = wait_status(
+        cluster, ns, "llama", lambda s: condition(s, "Degraded").get("status") == "False", "healthy"
+    )
+    assert condition(status, "Ready")["status"] == "True"
+    assert status["sharedTier"]["replicas"] == status["sharedTier"]["readyReplicas"] == 2
+
+    cluster.api.patch(pool_path(ns, "llama"), {"spec": {"chunkSize": 128}}, new_generation=True)
+    wait_status(cluster, ns, "llama", lambda s: s.get("observedGeneration") == 2, "the update handled")
+    assert (
+        secret_value(cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis")), "password") == password
+    )
+
+
+def scale_state(cluster: Cluster, ns: str) -> tuple[int, int]:
+    """(StatefulSet replicas, shard URLs published to the sidecars)."""
+    sts = cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis"))
+    cm = cluster.api.get(core_path(ns, "configmaps", "tier-kvpool"))
+    return sts["spec"]["replicas"], len(cm["data"]["redis-urls"].splitlines())
+
+
+def refreshes(cluster: Cluster) -> int:
+    """How many times the operator measured the pool's memory (once per refresh)."""
+    return cluster.memory.reads.get("tier", 0)
+
+
+def end_cooldown(cluster: Cluster, ns: str) -> None:
+    """Moves the last scaling into the past instead of waiting out the hour-long test cooldown."""
+    cluster.api.patch(
+        apps_path(ns, "statefulsets", "tier-kvpool-redis"),
+        {"metadata": {"annotations": {"kvpool.dev/last-scale-time": "2000-01-01T00:00:00Z"}}},
+    )
+
+
+def shards_ready(cluster: Cluster, ns: str, n: int) -> None:
+    cluster.api.patch(apps_path(ns, "statefulsets", "tier-kvpool-redis"), {"status": {"readyReplicas": n}})
+
+
+def test_memory_utilization_scales_the_shared_tier_within_bounds_with_a_cooldown(cluster: Cluster) -> None:
+    ns = "scale"
+    create_pool(
+        cluster,
+        ns,
+        "tier",
+        {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "backend": "redis",
+            "redis": {"mode": "shared", "replicas": 1, "memory": "256Mi"},
+            "scaling": {"minReplicas": 1, "maxReplicas": 3, "targetMemoryUtilization": 50},
+        },
+    )
+    wait_until(
+        lambda: cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis")), 30, "the StatefulSet"
+    )
+    shards_ready(cluster, ns, 1)
+    assert scale_state(cluster, ns) == (1, 1)
+
+    cluster.memory.values["tier"] = 95.0  # almost twice the target: 2 shards
+    wait_until(lambda: scale_state(cluster, ns)[0] == 2, 30, "scale up to 2")
+    assert scale_state(cluster, ns) == (2, 1)  # the new shard is not published before it is ready
+    wait_until(
+        lambda: any(e["reason"] == "Scaled" for e in cluster.api.events(ns, "tier")), 30, "a Scaled event"
+    )
+    shards_ready(cluster, ns, 2)
+    wait_until(lambda: scale_state(cluster, ns) == (2, 2), 30, "the second shard published")
+
+    seen = refreshes(cluster)  # still 95%: the cooldown holds the count for several refreshes
+    wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
+    assert scale_state(cluster, ns) == (2, 2)
+    status = pool_status(cluster, ns, "tier")
+    assert status["sharedTier"]["memoryUtilization"] == 95 and status["sharedTier"]["replicas"] == 2
+
+    def scaled_to(n: int) -> Callable[[], bool]:
+        def check() -> bool:
+            if scale_state(cluster, ns)[0] == n:
+                return True
+            end_cooldown(cluster, ns)
+            return False
+
+        return check
+
+    wait_until(scaled_to(3), 30, "scale up to the maximum")  # ceil(2 * 1.9) = 4, capped at 3
+    shards_ready(cluster, ns, 3)
+    wait_until(lambda: scale_state(cluster, ns) == (3, 3), 30, "three shards published")
+    end_cooldown(cluster, ns)
+    seen = refreshes(cluster)
+    wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
+    assert scale_state(cluster, ns) == (3, 3)  # at the maximum, even with the cooldown over
+
+    cluster.memory.values["tier"] = 5.0  # nearly empty: down to the minimum
+    wait_until(scaled_to(1), 30, "scale down to the minimum")
+    assert scale_state(cluster, ns) == (1, 1)  # unpublished before the shards go
+    end_cooldown(cluster, ns)
+    seen = refreshes(cluster)
+    wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
+    assert scale_state(cluster, ns) == (1, 1)  # never below the minimum
+
+
+def test_external_redis_waits_for_its_secret(cluster: Cluster) -> None:
+    ns = "ext"
+    create_pool(
+        cluster,
+        ns,
+        "llama",
+        {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "backend": "redis",
+            "redis": {
+                "mode": "external",
+                "url": "redis://redis.cache.svc:6379/0",
+                "passwordSecretRef": {"name": "pw"},
+            },
+        },
+    )
+    status = wait_status(
+        cluster,
+        ns,
+        "llama",
+        lambda s: condition(s, "Degraded").get("reason") == "SecretMissing",
+        "SecretMissing",
+    )
+    assert (
+        "pw" in condition(status, "Degraded")["message"] and condition(status, "Ready")["status"] == "False"
+    )
+    wait_until(
+        lambda: any(
+            e["type"] == "Warning" and e["reason"] == "SecretMissing" for e in cluster.api.events(ns, "llama")
+        ),
+        30,
+        "a warning event",
+    )
+    cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))
+    assert cm["data"]["redis-urls"] == "redis://redis.cache.svc:6379/0\n"
+
+    cluster.api.create(
+        core_path(ns, "secrets"),
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "pw", "namespace": ns},
+            "data": {"password": base64.b64encode(b"s3cret").decode()},
+        },
+    )
+    wait_status(
+        cluster, ns, "llama", lambda s: condition(s, "Ready").get("status") == "True", "Ready once it exists"
+    )
+
+
+def test_a_pool_the_schema_cannot_refuse_is_degraded_and_never_injected(cluster: Cluster) -> None:
+    ns = "bad"
+    create_pool(
+        cluster,
+        ns,
+        "llama",
+        {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "capacity": "4Gi",
+            "sidecar": {"resources": {"limits": {"memory": "1Gi"}}},
+        },
+    )
+    status = wait_status(
+        cluster, ns, "llama", lambda s: condition(s, "Degraded").get("status") == "True", "Degraded"
+    )
+    assert condition(status, "Degraded")["reason"] == "InvalidSpec"
+    assert "spec.sidecar.resources.limits.memory" in condition(status, "Degraded")["message"]
+    assert cluster.api.get(core_path(ns, "configmaps", "llama-kvpool")) is None
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"labels": {"app": "vllm"}},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+    }
+    result, response = admitted(cluster.webhook_url, pod, ns)
+    assert result == pod and "not usable" in response["warnings"][0]
+
+
+def test_deleting_a_pool_completes(cluster: Cluster) -> None:
+    ns = "del"
+    pool = create_pool(cluster, ns, "llama", {"selector": {"matchLabels": {"app": "vllm"}}})
+    wait_status(cluster, ns, "llama", lambda s: s.get("matchedPods") == 0, "a first refresh")
+    cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))
+    assert owned_by(cm, pool)  # the API server's garbage collector deletes it with the pool (kmock has none)
+    cluster.api.delete(pool_path(ns, "llama"))
+    _created.remove((ns, "llama"))
+    wait_until(lambda: cluster.api.get(pool_path(ns, "llama")) is None, 30, "the pool to be gone")
+
+
+_RESOURCE_PATH = re.compile(
+    r"^/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)(?:/namespaces/[^/]+)?/(?P<resource>[^/]+)(?:/(?P<name>[^/]+))?(?:/(?P<sub>[^/]+))?$"
+)
+
+
+def operator_permissions(requests: list[tuple[str, str, dict[str, str]]]) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) for every API request made, as RBAC names them."""
+    used = set()
+    for method, path, params in requests:
+        m = _RESOURCE_PATH.match(path)
+        if not m:
+            continue  # discovery (/api, /apis/<group>/<version>) needs no RBAC rule
+        group, resource, name, sub = (
+            m.group("group") or "",
+            m.group("resource"),
+            m.group("name"),
+            m.group("sub"),
+        )
+        if method == "GET":
+            verb = "watch" if params.get("watch") == "true" else ("get" if name else "list")
+        else:
+            verb = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+        used.add((group, f"{resource}/{sub}" if sub else resource, verb))
+    return used
+
+
+def test_every_request_the_operator_sent_is_in_its_rbac(cluster: Cluster) -> None:
+    """Runs last in this file: by now the scenarios above made every kind of call."""
+    used = operator_permissions(cluster.api.requests())
+    missing = {(g, r, v) for g, r, v in used if v not in kube.RBAC.get((g, r), frozenset())}
+    assert not missing, f"requests outside kube.RBAC: {sorted(missing)}"
+    ours = {(k.group, k.plural, v) for k in kube.KINDS.values() for v in k.verbs}
+    assert ours <= used, f"kube.KINDS lists verbs no scenario used: {sorted(ours - used)}"

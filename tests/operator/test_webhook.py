@@ -24,28 +24,56 @@ NS = "web"
 
 
 def make_pool(cluster: Cluster, name: str, spec: dict[str, Any], namespace: str = NS) -> None:
-    cluster.api.create(pool_path(namespace), {
-        "apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
-        "metadata": {"name": name, "namespace": namespace}, "spec": spec,
-    })  # fmt: skip
+    cluster.api.create(
+        pool_path(namespace),
+        {
+            "apiVersion": "kvpool.dev/v1alpha1",
+            "kind": "KVCachePool",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": spec,
+        },
+    )
     # reconciled means indexed too: the index handler runs before the pool's other handlers
     wait_until(
         lambda: (cluster.api.get(pool_path(namespace, name)) or {}).get("status", {}).get("connectorConfig"),
-        30, f"pool {name} reconciled",
-    )  # fmt: skip
+        30,
+        f"pool {name} reconciled",
+    )
 
 
 @pytest.fixture(scope="module")
 def pools(cluster: Cluster) -> Iterator[Cluster]:
-    make_pool(cluster, "solo", {"selector": {"matchLabels": {"app": "solo"}}, "capacity": "1Gi", "chunkSize": 128,
-                                "priorityLimit": 2})  # fmt: skip
-    make_pool(cluster, "cached", {"selector": {"matchLabels": {"app": "cached"}}, "capacity": "2Gi",
-                                  "backend": "redis", "redis": {"mode": "shared", "replicas": 2},
-                                  "vllmContainer": "engine", "sidecar": {"port": 8000}})  # fmt: skip
+    make_pool(
+        cluster,
+        "solo",
+        {
+            "selector": {"matchLabels": {"app": "solo"}},
+            "capacity": "1Gi",
+            "chunkSize": 128,
+            "priorityLimit": 2,
+        },
+    )
+    make_pool(
+        cluster,
+        "cached",
+        {
+            "selector": {"matchLabels": {"app": "cached"}},
+            "capacity": "2Gi",
+            "backend": "redis",
+            "redis": {"mode": "shared", "replicas": 2},
+            "vllmContainer": "engine",
+            "sidecar": {"port": 8000},
+        },
+    )
     make_pool(cluster, "team-a", {"selector": {"matchLabels": {"team": "x"}}})
-    make_pool(cluster, "team-b", {"selector": {"matchExpressions": [{"key": "team", "operator": "In",
-                                                                      "values": ["x", "y"]}]}})  # fmt: skip
+    make_pool(
+        cluster,
+        "team-b",
+        {"selector": {"matchExpressions": [{"key": "team", "operator": "In", "values": ["x", "y"]}]}},
+    )
     yield cluster
+    for name in ("solo", "cached", "team-a", "team-b"):
+        cluster.api.delete(pool_path(NS, name))
 
 
 def vllm_pod(labels: dict[str, str], **meta: Any) -> dict[str, Any]:
@@ -75,8 +103,12 @@ SOLO_CONFIG = (
 
 
 def probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": 7071}, "periodSeconds": period, "timeoutSeconds": 2,
-            "failureThreshold": failures}  # fmt: skip
+    return {
+        "httpGet": {"path": path, "port": 7071},
+        "periodSeconds": period,
+        "timeoutSeconds": 2,
+        "failureThreshold": failures,
+    }
 
 
 EXPECTED_SOLO = {
@@ -105,24 +137,40 @@ EXPECTED_SOLO = {
                 "name": "kvpool-sidecar",
                 "image": "kvpool/sidecar:test",
                 "restartPolicy": "Always",
-                "args": ["--host", "127.0.0.1", "--port", "7070", "--status-port", "7071", "--capacity", "1Gi",
-                         "--arena-dir", "/var/run/kvpool"],
+                "args": [
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "7070",
+                    "--status-port",
+                    "7071",
+                    "--capacity",
+                    "1Gi",
+                    "--arena-dir",
+                    "/var/run/kvpool",
+                ],
                 "ports": [{"name": "kvpool-status", "containerPort": 7071, "protocol": "TCP"}],
                 "volumeMounts": [{"name": "kvpool-arena", "mountPath": "/var/run/kvpool"}],
-                "resources": {"requests": {"cpu": "250m", "memory": "1280Mi"}, "limits": {"memory": "1280Mi"}},
+                "resources": {
+                    "requests": {"cpu": "250m", "memory": "1280Mi"},
+                    "limits": {"memory": "1280Mi"},
+                },
                 "startupProbe": probe("/readyz", 2, 150),
                 "readinessProbe": probe("/readyz", 10, 3),
                 "livenessProbe": probe("/healthz", 10, 6),
                 "securityContext": {
-                    "runAsNonRoot": True, "runAsUser": 65532, "allowPrivilegeEscalation": False,
-                    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+                    "runAsNonRoot": True,
+                    "runAsUser": 65532,
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
                     "seccompProfile": {"type": "RuntimeDefault"},
                 },
             }
         ],
         "volumes": [{"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
     },
-}  # fmt: skip
+}
 
 
 def test_matched_pod_gets_native_sidecar_and_config(pools: Cluster) -> None:
@@ -140,8 +188,12 @@ def test_injection_is_idempotent(pools: Cluster) -> None:
 
 def test_existing_kv_transfer_config_is_replaced(pools: Cluster) -> None:
     pod = vllm_pod({"app": "solo"})
-    pod["spec"]["containers"][0]["args"] = ["--kv-transfer-config", '{"kv_connector":"Other"}', "--model",
-                                             "Qwen/Qwen3-0.6B"]  # fmt: skip
+    pod["spec"]["containers"][0]["args"] = [
+        "--kv-transfer-config",
+        '{"kv_connector":"Other"}',
+        "--model",
+        "Qwen/Qwen3-0.6B",
+    ]
     result, _ = admitted(pools.webhook_url, pod, NS)
     assert result["spec"]["containers"][0]["args"] == [
         "--model",
@@ -177,8 +229,9 @@ def test_pod_matched_by_two_pools_is_untouched_with_warning_events(pools: Cluste
             lambda name=name: any(
                 e["type"] == "Warning" and e["reason"] == "PodNotInjected" for e in pools.api.events(NS, name)
             ),
-            30, f"a warning event on {name}",
-        )  # fmt: skip
+            30,
+            f"a warning event on {name}",
+        )
 
 
 def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
@@ -202,8 +255,10 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
     assert {"name": "kvpool-redis-urls", "mountPath": "/etc/kvpool/redis", "readOnly": True} in sidecar[
         "volumeMounts"
     ]
-    assert {"name": "kvpool-redis-urls", "configMap": {"name": "cached-kvpool", "items": [
-        {"key": "redis-urls", "path": "redis-urls"}]}} in result["spec"]["volumes"]  # fmt: skip
+    assert {
+        "name": "kvpool-redis-urls",
+        "configMap": {"name": "cached-kvpool", "items": [{"key": "redis-urls", "path": "redis-urls"}]},
+    } in result["spec"]["volumes"]
     assert sidecar["startupProbe"]["httpGet"] == {"path": "/readyz", "port": 8001}
 
 
@@ -244,14 +299,33 @@ def test_dry_run_posts_no_events(pools: Cluster) -> None:
 
 
 def test_legacy_mode_adds_a_plain_container() -> None:
-    pool = parse_pool(NS, "solo", {"selector": {"matchLabels": {"app": "solo"}}, "capacity": "1Gi", "chunkSize": 128,
-                                   "priorityLimit": 2})  # fmt: skip
-    decision = decide(vllm_pod({"app": "solo"}), NS, [pool], OperatorSettings(sidecar_image="kvpool/sidecar:test",
-                                                                              legacy_sidecar=True))  # fmt: skip
+    pool = parse_pool(
+        NS,
+        "solo",
+        {
+            "selector": {"matchLabels": {"app": "solo"}},
+            "capacity": "1Gi",
+            "chunkSize": 128,
+            "priorityLimit": 2,
+        },
+    )
+    decision = decide(
+        vllm_pod({"app": "solo"}),
+        NS,
+        [pool],
+        OperatorSettings(sidecar_image="kvpool/sidecar:test", legacy_sidecar=True),
+    )
     expected = copy.deepcopy(EXPECTED_SOLO)
     sidecar = expected["spec"].pop("initContainers")[0]
     del sidecar["restartPolicy"]
     expected["spec"]["containers"].append(sidecar)
     assert decision.pod == expected
-    assert decide(decision.pod, NS, [pool], OperatorSettings(sidecar_image="kvpool/sidecar:test",
-                                                             legacy_sidecar=True)).pod == expected  # fmt: skip
+    assert (
+        decide(
+            decision.pod,
+            NS,
+            [pool],
+            OperatorSettings(sidecar_image="kvpool/sidecar:test", legacy_sidecar=True),
+        ).pod
+        == expected
+    )

@@ -114,6 +114,9 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kvpool.dev", key="last-handled-configuration"
     )
+    settings.background.cancellation_polling = (
+        2.0  # a deleted pool waits on its timer's last run, not a minute
+    )
     settings.admission.server = WebhookServer(
         addr=args.webhook_addr,
         port=args.webhook_port,

@@ -37,8 +37,10 @@ class Kind:
 
 KINDS: dict[str, Kind] = {
     "ConfigMap": Kind("api/v1", "configmaps", frozenset({"get", "create", "patch"})),
-    "Secret": Kind("api/v1", "secrets", frozenset({"get", "create", "patch"})),
-    "Service": Kind("api/v1", "services", frozenset({"get", "create", "patch"})),
+    "Secret": Kind(
+        "api/v1", "secrets", frozenset({"get", "create"})
+    ),  # a generated password is never changed
+    "Service": Kind("api/v1", "services", frozenset({"create", "patch"})),
     "StatefulSet": Kind("apis/apps/v1", "statefulsets", frozenset({"get", "create", "patch"})),
     "Pod": Kind("api/v1", "pods", frozenset({"list"})),
     "Event": Kind("api/v1", "events", frozenset({"create"})),
@@ -87,6 +89,7 @@ class Kube:
         self._session: aiohttp.ClientSession | None = None
         self._info: kopf.ConnectionInfo | None = None
         self._tmp: list[Any] = []
+        self._lock = asyncio.Lock()  # handlers run concurrently: one session, made once
 
     async def close(self) -> None:
         if self._session is not None:
@@ -195,8 +198,9 @@ class Kube:
         params: Mapping[str, str] | None = None,
         content_type: str = "application/json",
     ) -> dict[str, Any]:
+        stale: aiohttp.ClientSession | None = None
         for attempt in (1, 2):
-            session, info = await self._connect(fresh=attempt == 2)
+            session, info = await self._connect(stale)
             headers = {"Accept": "application/json", **info.as_http_headers()}
             if body is not None:
                 headers["Content-Type"] = content_type
@@ -204,7 +208,8 @@ class Kube:
                 method, info.server.rstrip("/") + path, json=body, params=params, headers=headers
             ) as rsp:
                 if rsp.status == 401 and attempt == 1:
-                    continue  # a rotated service-account token: log in again once
+                    stale = session  # a rotated service-account token: log in again once
+                    continue
                 data = await rsp.json(content_type=None) if rsp.content_length != 0 else {}
                 if rsp.status >= 400:
                     message = data.get("message", "") if isinstance(data, dict) else str(data)
@@ -212,15 +217,19 @@ class Kube:
                 return data if isinstance(data, dict) else {}
         raise ApiError(401, f"{method} {path}: unauthorized")  # pragma: no cover (loop returns or raises)
 
-    async def _connect(self, fresh: bool) -> tuple[aiohttp.ClientSession, kopf.ConnectionInfo]:
-        if fresh or self._session is None or self._info is None:
-            await self.close()
-            info = await asyncio.to_thread(login)
-            self._info = info
-            self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=self._ssl(info))
-            )
-        return self._session, self._info
+    async def _connect(
+        self, stale: aiohttp.ClientSession | None
+    ) -> tuple[aiohttp.ClientSession, kopf.ConnectionInfo]:
+        """The shared session; a new one (after a new login) when `stale` is still the current one."""
+        async with self._lock:
+            if self._session is None or self._info is None or self._session is stale:
+                await self.close()
+                info = await asyncio.to_thread(login)
+                self._info = info
+                self._session = aiohttp.ClientSession(
+                    timeout=self._timeout, connector=aiohttp.TCPConnector(ssl=self._ssl(info))
+                )
+            return self._session, self._info
 
     def _ssl(self, info: kopf.ConnectionInfo) -> ssl.SSLContext | bool:
         if not info.server.startswith("https"):

@@ -27,6 +27,7 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 CONFIG_KEY = "kv-transfer-config.json"  # ConfigMap key: the connector config
 REDIS_URLS_KEY = "redis-urls"  # ConfigMap key: one shard URL a line (the sidecar's --redis-urls-file)
 PASSWORD_KEY = "password"
+LAST_SCALE_ANNOTATION = "kvpool.dev/last-scale-time"  # on the shared tier's StatefulSet
 REDIS_PORT = 6379
 
 

@@ -48,9 +48,9 @@ async def refresh(
         stats = pods.aggregate(await pods.scrape(urls, settings.scrape_timeout))
         tier: tuple[int, int] | None = None
         missing: str | None = None
+        shared: dict[str, Any] | None = None
         if pool.shared_tier:
-            shared = await scale(kube, pool, status.get("sharedTier") or {}, memo, now)
-            patch.status["sharedTier"] = shared
+            shared = await scale(kube, pool, memo, now)
             tier = (shared["replicas"], shared["readyReplicas"])
         else:
             missing = await missing_secret(kube, pool)
@@ -58,19 +58,29 @@ async def refresh(
         raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
 
     ready, degraded = conditions.assess([], missing, tier)
-    patch.status["matchedPods"] = counts.matched
-    patch.status["readyPods"] = counts.ready
-    patch.status["outdatedPods"] = counts.outdated
-    patch.status["stats"] = stats
-    patch.status["conditions"] = conditions.merge(
-        status.get("conditions") or [], [ready, degraded], meta.get("generation"), now
-    )
+    found_status = {
+        "matchedPods": counts.matched,
+        "readyPods": counts.ready,
+        "outdatedPods": counts.outdated,
+        "stats": stats,
+        "conditions": conditions.merge(
+            status.get("conditions") or [], [ready, degraded], meta.get("generation"), now
+        ),
+    }
+    if shared is not None:
+        found_status["sharedTier"] = shared
+    # only what changed: an unchanged pool costs the API server no write and its watchers no event
+    for key, value in found_status.items():
+        if status.get(key) != value:
+            patch.status[key] = value
 
 
-async def scale(
-    kube: Kube, pool: Pool, shared: Mapping[str, Any], memo: Any, now: datetime.datetime
-) -> dict[str, Any]:
-    """Resizes the shared tier if its memory says so and publishes the shard list; returns sharedTier."""
+async def scale(kube: Kube, pool: Pool, memo: Any, now: datetime.datetime) -> dict[str, Any]:
+    """Resizes the shared tier if its memory says so and publishes the shard list; returns sharedTier.
+
+    The time of the last change lives on the StatefulSet, written in the same patch as the count,
+    and read fresh every time: a pool's status seen by a timer may lag behind its last write.
+    """
     assert pool.redis is not None
     settings: OperatorSettings = memo.settings
     ns, name = pool.namespace, names.redis_name(pool.name)
@@ -79,7 +89,8 @@ async def scale(
         return {"replicas": 0, "readyReplicas": 0}
     running = int(sts.get("spec", {}).get("replicas") or 0)
     ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
-    result: dict[str, Any] = {k: v for k, v in shared.items() if k == "lastScaleTime"}
+    last = (sts["metadata"].get("annotations") or {}).get(names.LAST_SCALE_ANNOTATION)
+    result: dict[str, Any] = {"lastScaleTime": last} if last else {}
 
     desired = pool.redis.replicas
     if pool.scaling is not None:
@@ -88,7 +99,6 @@ async def scale(
         )
         if utilization is not None:
             result["memoryUtilization"] = round(utilization)
-        last = shared.get("lastScaleTime")
         since = (now - datetime.datetime.fromisoformat(last)).total_seconds() if last else None
         desired = desired_shards(running, utilization, pool.scaling, since, settings.scale_cooldown)
 
@@ -98,13 +108,16 @@ async def scale(
         await _publish(kube, pool, desired)
         published = desired
     if desired != running:
-        await kube.patch("StatefulSet", ns, name, {"spec": {"replicas": desired}})
-        result["lastScaleTime"] = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-        why = (
-            f" (memory {result['memoryUtilization']}% of target {pool.scaling.target_utilization}%)"
-            if (pool.scaling and "memoryUtilization" in result)
-            else ""
-        )
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        change = {
+            "metadata": {"annotations": {names.LAST_SCALE_ANNOTATION: stamp}},
+            "spec": {"replicas": desired},
+        }
+        await kube.patch("StatefulSet", ns, name, change)
+        result["lastScaleTime"] = stamp
+        why = ""
+        if pool.scaling is not None and "memoryUtilization" in result:
+            why = f" (memory {result['memoryUtilization']}% of target {pool.scaling.target_utilization}%)"
         await events.post(
             kube, pool, "Normal", "Scaled", f"shared Redis tier {running} -> {desired} shards{why}"
         )
