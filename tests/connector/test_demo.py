@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ def test_demo_prints_ttft_hit_rate_and_identical_outputs(tmp_path: Path) -> None
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout

@@ -60,7 +60,9 @@ def sidecar(workdir: Path, capacity: str = "1Gi", timeout: float = 60) -> Iterat
         deadline = time.monotonic() + timeout
         while not _healthy(url):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the sidecar did not start; see {workdir / 'sidecar.log'}")
+                log.flush()
+                tail = (workdir / "sidecar.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the sidecar did not start:\n{tail}")
             time.sleep(0.05)
         yield url
     finally:
