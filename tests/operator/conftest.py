@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubeapi import KubeAPI, MemoryGauge, OperatorThread
+from kubeapi import KubeAPI, MemoryGauge, OperatorThread, listening
 from kvtest import REPO, free_port, wait_until
 
 CRD_PATH = REPO / "crds" / "kvcachepool.yaml"
@@ -59,6 +59,7 @@ def cluster(crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         wait_until(lambda: operator.ready_flag.is_set() or operator.error, 60, "the operator to start")
         assert operator.error is None, operator.error
+        wait_until(lambda: listening(port), 30, "the webhook server")
         yield Cluster(api, operator, memory, f"http://127.0.0.1:{port}/kvpool-inject")
     finally:
         operator.stop()

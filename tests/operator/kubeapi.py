@@ -12,6 +12,7 @@ import asyncio
 import base64
 import itertools
 import json
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -74,6 +75,9 @@ class KubeAPI:
             )
         emulator.resources["kopf.dev/v1/clusterkopfpeerings"] = kmock.ResourceInfo(
             kind="ClusterKopfPeering", namespaced=False, verbs={"get", "list", "watch", "patch"}
+        )
+        emulator.resources["kopf.dev/v1/kopfpeerings"] = kmock.ResourceInfo(
+            kind="KopfPeering", namespaced=True, verbs={"get", "list", "watch", "patch"}
         )
         self.server = kmock.Server(emulator)
         await self.server.__aenter__()
@@ -198,6 +202,16 @@ class MemoryGauge:
     ) -> float | None:
         self.reads[pool.name] = self.reads.get(pool.name, 0) + 1
         return self.values.get(pool.name)
+
+
+def listening(port: int) -> bool:
+    """True once something accepts connections on the loopback port (kopf starts its webhook
+    server after it reports ready)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 class OperatorThread:

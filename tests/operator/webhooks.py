@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import ssl
 import urllib.request
 import uuid
 from typing import Any
@@ -12,7 +13,9 @@ from typing import Any
 import jsonpatch
 
 
-def review(url: str, pod: dict[str, Any], namespace: str, *, dry_run: bool = False) -> dict[str, Any]:
+def review(
+    url: str, pod: dict[str, Any], namespace: str, *, dry_run: bool = False, tls: ssl.SSLContext | None = None
+) -> dict[str, Any]:
     """POSTs an AdmissionReview for creating `pod` (as a ReplicaSet would: no name, no namespace)."""
     body = {
         "apiVersion": "admission.k8s.io/v1",
@@ -35,7 +38,7 @@ def review(url: str, pod: dict[str, Any], namespace: str, *, dry_run: bool = Fal
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(req, timeout=10) as rsp:
+    with urllib.request.urlopen(req, timeout=10, context=tls) as rsp:
         answer = json.loads(rsp.read())
     assert answer["kind"] == "AdmissionReview" and answer["response"]["uid"] == body["request"]["uid"]
     return answer["response"]

@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+import yaml
 
 from kvpool_operator.handlers import register
+from kvpool_operator.kube import rbac_rules
 from kvpool_operator.scaling import MemorySource, redis_info_source
 from kvpool_operator.settings import DEFAULT_SIDECAR_IMAGE, OperatorSettings
 from kvpool_operator.webhook import WebhookServer
@@ -62,6 +64,9 @@ def parser() -> argparse.ArgumentParser:
         help="clusters older than 1.29: the sidecar as a plain container, not a native sidecar",
     )
     p.add_argument("--verbose", action="store_true")
+    p.add_argument(
+        "--print-rbac", action="store_true", help="print the ClusterRole rules it needs (YAML) and exit"
+    )
     return p
 
 
@@ -139,9 +144,13 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.print_rbac:
+        print(yaml.safe_dump({"rules": rbac_rules()}, sort_keys=False), end="")
+        return
     op = build(argv)
     logging.basicConfig(
-        level=logging.DEBUG if "--verbose" in (argv or []) else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if not op.settings.admission.server.insecure and not op.settings.admission.server.certfile:  # type: ignore[union-attr]

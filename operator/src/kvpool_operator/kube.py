@@ -46,15 +46,17 @@ KINDS: dict[str, Kind] = {
     "Event": Kind("api/v1", "events", frozenset({"create"})),
 }
 
-# What kopf itself needs for this operator (watching pools, status, peering, its events, discovery).
+# What kopf itself needs for this operator: watching pools and patching them (finalizer, progress
+# annotations) and their status, peering (cluster-wide or, with --namespace, namespaced), its events,
+# and discovery of namespaces and CRDs.
 KOPF_RBAC: dict[tuple[str, str], frozenset[str]] = {
-    ("kvpool.dev", "kvcachepools"): frozenset({"get", "list", "watch", "patch"}),
-    ("kvpool.dev", "kvcachepools/status"): frozenset({"get", "patch"}),
-    ("kopf.dev", "clusterkopfpeerings"): frozenset({"get", "list", "watch", "patch"}),
-    ("kopf.dev", "kopfpeerings"): frozenset({"get", "list", "watch", "patch"}),
+    ("kvpool.dev", "kvcachepools"): frozenset({"list", "watch", "patch"}),
+    ("kvpool.dev", "kvcachepools/status"): frozenset({"patch"}),
+    ("kopf.dev", "clusterkopfpeerings"): frozenset({"list", "watch", "patch"}),
+    ("kopf.dev", "kopfpeerings"): frozenset({"list", "watch", "patch"}),
     ("", "events"): frozenset({"create"}),
-    ("", "namespaces"): frozenset({"get", "list", "watch"}),
-    ("apiextensions.k8s.io", "customresourcedefinitions"): frozenset({"get", "list", "watch"}),
+    ("", "namespaces"): frozenset({"list", "watch"}),
+    ("apiextensions.k8s.io", "customresourcedefinitions"): frozenset({"list", "watch"}),
 }
 
 # (apiGroup, resource) -> verbs: everything the operator's ClusterRole must grant.
@@ -64,6 +66,14 @@ for _kind in KINDS.values():
     RBAC[_key] = RBAC.get(_key, frozenset()) | _kind.verbs
 # ownerReferences with blockOwnerDeletion need update on the owner's finalizers subresource
 RBAC[("kvpool.dev", "kvcachepools/finalizers")] = frozenset({"update"})
+
+
+def rbac_rules() -> list[dict[str, list[str]]]:
+    """RBAC as ClusterRole rules (what `kvpool-operator --print-rbac` prints), sorted for diffing."""
+    return [
+        {"apiGroups": [group], "resources": [resource], "verbs": sorted(verbs)}
+        for (group, resource), verbs in sorted(RBAC.items())
+    ]
 
 
 class ApiError(Exception):

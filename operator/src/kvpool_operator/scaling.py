@@ -85,13 +85,13 @@ async def redis_memory_utilization(
     return 100.0 * used / limit if limit > 0 else None
 
 
-def redis_info_source(timeout: float) -> MemorySource:
+def redis_info_source(timeout: float, port: int = REDIS_PORT) -> MemorySource:
     """The default source: INFO memory from each ready shard pod, averaged."""
 
     async def source(pool: Pool, shard_pods: list[dict[str, Any]], password: str | None) -> float | None:
         ips = [p.get("status", {}).get("podIP") for p in shard_pods]
         values = await asyncio.gather(
-            *(redis_memory_utilization(ip, REDIS_PORT, password, timeout) for ip in ips if ip)
+            *(redis_memory_utilization(ip, port, password, timeout) for ip in ips if ip)
         )
         known = [v for v in values if v is not None]
         return sum(known) / len(known) if known else None
