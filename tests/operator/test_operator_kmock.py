@@ -248,15 +248,22 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
 
     cluster.api.patch(pool_path(ns, "llama"), {"spec": {"chunkSize": 128}}, new_generation=True)
     wait_status(cluster, ns, "llama", lambda s: s.get("observedGeneration") == 2, "the update handled")
-    assert (
-        secret_value(cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis")), "password") == password
-    )
+    secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis"))
+    assert secret_value(secret, "password") == password  # a generated password is never regenerated
+
+    # fewer shards: the sidecars are told before the StatefulSet shrinks
+    before = len(cluster.api.requests())
+    cluster.api.patch(pool_path(ns, "llama"), {"spec": {"redis": {"replicas": 1}}}, new_generation=True)
+    wait_until(lambda: scale_state(cluster, ns, "llama") == (1, 1), 30, "one shard")
+    writes = [p for m, p, _ in cluster.api.requests()[before:] if m == "PATCH" and "/namespaces/shared/" in p]
+    cm_write = writes.index(core_path(ns, "configmaps", "llama-kvpool"))
+    assert cm_write < writes.index(apps_path(ns, "statefulsets", "llama-kvpool-redis"))
 
 
-def scale_state(cluster: Cluster, ns: str) -> tuple[int, int]:
+def scale_state(cluster: Cluster, ns: str, pool: str = "tier") -> tuple[int, int]:
     """(StatefulSet replicas, shard URLs published to the sidecars)."""
-    sts = cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis"))
-    cm = cluster.api.get(core_path(ns, "configmaps", "tier-kvpool"))
+    sts = cluster.api.get(apps_path(ns, "statefulsets", f"{pool}-kvpool-redis"))
+    cm = cluster.api.get(core_path(ns, "configmaps", f"{pool}-kvpool"))
     return sts["spec"]["replicas"], len(cm["data"]["redis-urls"].splitlines())
 
 

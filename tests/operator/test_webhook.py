@@ -156,7 +156,6 @@ EXPECTED_SOLO = {
                     "limits": {"memory": "1280Mi"},
                 },
                 "startupProbe": probe("/readyz", 2, 150),
-                "readinessProbe": probe("/readyz", 10, 3),
                 "livenessProbe": probe("/healthz", 10, 6),
                 "securityContext": {
                     "runAsNonRoot": True,

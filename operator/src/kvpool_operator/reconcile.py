@@ -35,6 +35,14 @@ async def missing_secret(kube: Kube, pool: Pool) -> str | None:
     return None
 
 
+async def publish(kube: Kube, pool: Pool, count: int) -> None:
+    """Tells the pool's sidecars the first `count` shards (the ConfigMap key they re-read)."""
+    text = objects.redis_urls_text(objects.shard_urls(pool, count))
+    await kube.patch(
+        "ConfigMap", pool.namespace, names.config_map_name(pool.name), {"data": {names.REDIS_URLS_KEY: text}}
+    )
+
+
 async def reconcile(
     body: Mapping[str, Any],
     spec: Mapping[str, Any],
@@ -106,8 +114,12 @@ async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> tupl
     sts = await kube.get("StatefulSet", ns, name)
     current = (sts or {}).get("spec", {}).get("replicas")
     desired = initial_shards(pool, current)
+    cm_name = names.config_map_name(pool.name)
+    published = objects.published_shards(await kube.get("ConfigMap", ns, cm_name))
+    if published is not None and desired < published:  # sidecars stop using shards before they go
+        await publish(kube, pool, desired)
+        published = desired
     sts = await kube.ensure("StatefulSet", ns, objects.redis_statefulset(pool, owner, desired))
     ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
-    cm = await kube.get("ConfigMap", ns, names.config_map_name(pool.name))
-    count = shards_to_publish(objects.published_shards(cm), desired, ready)
+    count = shards_to_publish(published, desired, ready)
     return objects.shard_urls(pool, count), (desired, ready)

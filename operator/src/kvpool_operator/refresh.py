@@ -14,7 +14,7 @@ from kvpool_operator import conditions, events, names, objects, pods
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pool import Pool, parse_pool, problems
-from kvpool_operator.reconcile import RETRY_DELAY, missing_secret
+from kvpool_operator.reconcile import RETRY_DELAY, missing_secret, publish
 from kvpool_operator.scaling import desired_shards, shards_to_publish
 from kvpool_operator.settings import OperatorSettings
 
@@ -105,7 +105,7 @@ async def scale(kube: Kube, pool: Pool, memo: Any, now: datetime.datetime) -> di
     cm_name = names.config_map_name(pool.name)
     published = objects.published_shards(await kube.get("ConfigMap", ns, cm_name))
     if desired < running:  # sidecars stop using the shards before they go away
-        await _publish(kube, pool, desired)
+        await publish(kube, pool, desired)
         published = desired
     if desired != running:
         stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -123,16 +123,9 @@ async def scale(kube: Kube, pool: Pool, memo: Any, now: datetime.datetime) -> di
         )
     count = shards_to_publish(published, desired, ready)
     if count != published:
-        await _publish(kube, pool, count)
+        await publish(kube, pool, count)
     result.update(replicas=desired, readyReplicas=ready, publishedShards=count)
     return result
-
-
-async def _publish(kube: Kube, pool: Pool, count: int) -> None:
-    text = objects.redis_urls_text(objects.shard_urls(pool, count))
-    await kube.patch(
-        "ConfigMap", pool.namespace, names.config_map_name(pool.name), {"data": {names.REDIS_URLS_KEY: text}}
-    )
 
 
 async def _ready_shard_pods(kube: Kube, pool: Pool) -> list[dict[str, Any]]:
