@@ -110,12 +110,12 @@ class KubeAPI:
 
     # --- what tests read -----------------------------------------------------------------------
 
-    def requests(self) -> list[tuple[str, str, dict[str, str]]]:
-        """(method, path, query) of every request the operator (not the tests) sent so far."""
+    def requests(self) -> list[tuple[str, str, dict[str, str], Any]]:
+        """(method, path, query, JSON body) of every request the operator (not the tests) sent so far."""
 
-        async def read() -> list[tuple[str, str, dict[str, str]]]:
+        async def read() -> list[tuple[str, str, dict[str, str], Any]]:
             return [
-                (str(r.method.value), r.url.path, dict(r.url.query))
+                (str(r.method.value), r.url.path, dict(r.url.query), r.data)
                 for r in list(self.emulator)
                 if r.headers.get("User-Agent") != TEST_AGENT
             ]

@@ -255,9 +255,22 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
     before = len(cluster.api.requests())
     cluster.api.patch(pool_path(ns, "llama"), {"spec": {"redis": {"replicas": 1}}}, new_generation=True)
     wait_until(lambda: scale_state(cluster, ns, "llama") == (1, 1), 30, "one shard")
-    writes = [p for m, p, _ in cluster.api.requests()[before:] if m == "PATCH" and "/namespaces/shared/" in p]
-    cm_write = writes.index(core_path(ns, "configmaps", "llama-kvpool"))
-    assert cm_write < writes.index(apps_path(ns, "statefulsets", "llama-kvpool-redis"))
+    sent = cluster.api.requests()[before:]
+    unpublished = next(
+        i
+        for i, (m, p, _, body) in enumerate(sent)
+        if m == "PATCH"
+        and p == core_path(ns, "configmaps", "llama-kvpool")
+        and len(body["data"]["redis-urls"].splitlines()) == 1
+    )
+    shrunk = next(
+        i
+        for i, (m, p, _, body) in enumerate(sent)
+        if m == "PATCH"
+        and p == apps_path(ns, "statefulsets", "llama-kvpool-redis")
+        and body["spec"]["replicas"] == 1
+    )
+    assert unpublished < shrunk
 
 
 def scale_state(cluster: Cluster, ns: str, pool: str = "tier") -> tuple[int, int]:
@@ -438,10 +451,10 @@ _RESOURCE_PATH = re.compile(
 )
 
 
-def operator_permissions(requests: list[tuple[str, str, dict[str, str]]]) -> set[tuple[str, str, str]]:
+def operator_permissions(requests: list[tuple[str, str, dict[str, str], Any]]) -> set[tuple[str, str, str]]:
     """(apiGroup, resource[/subresource], verb) for every API request made, as RBAC names them."""
     used = set()
-    for method, path, params in requests:
+    for method, path, params, _ in requests:
         m = _RESOURCE_PATH.match(path)
         if not m:
             continue  # discovery (/api, /apis/<group>/<version>) needs no RBAC rule

@@ -86,6 +86,8 @@ def test_peering_keeps_itself_alive(tls_operator: tuple[KubeAPI, str, Path]) -> 
     """Two replicas never act at once: each announces itself in the KopfPeering and the lower pauses."""
     api, _, _ = tls_operator
     keepalive = "/apis/kopf.dev/v1/clusterkopfpeerings/kvpool"
-    wait_until(lambda: any(m == "PATCH" and p == keepalive for m, p, _ in api.requests()), 30, "a keep-alive")
+    wait_until(
+        lambda: any(m == "PATCH" and p == keepalive for m, p, *_ in api.requests()), 30, "a keep-alive"
+    )
     peers = (api.get(keepalive) or {}).get("status", {})
     assert len(peers) == 1 and next(iter(peers.values()))["priority"] == 0
