@@ -100,7 +100,10 @@ def redis_with(
             argv += ["--requirepass", password]
         proc = spawn(argv, Path(d) / "redis.log")
         try:
-            wait_until(lambda: b"PONG" in redis_call(port, "PING", password=password), 15, "redis-server")
+            try:
+                wait_until(lambda: b"PONG" in redis_call(port, "PING", password=password), 15, "redis-server")
+            except TimeoutError:
+                raise RuntimeError(f"redis-server did not start:\n{proc.output()}") from None
             yield port, proc
         finally:
             proc.stop()

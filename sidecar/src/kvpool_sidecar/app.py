@@ -97,7 +97,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
 
     @app.post("/v1/lookup", tags=["chunks"], responses=ERRORS)
     async def lookup(req: s.LookupRequest) -> s.LookupResponse:
-        if store.lower is not None:  # may ask Redis: keep the loop free
+        if store.needs_lower(req.keys):  # asks Redis: keep the loop free
             return s.LookupResponse(hits=await run_in_threadpool(store.lookup, req.keys))
         return s.LookupResponse(hits=store.lookup(req.keys))
 

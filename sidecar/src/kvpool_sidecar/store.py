@@ -362,7 +362,8 @@ class Store:
 
     # --- whole-chunk operations (HTTP octet-stream, tools) ----------------------------------------
 
-    def lookup(self, keys: Sequence[str]) -> int:
+    def cpu_prefix(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, are in the CPU tier now."""
         with self._lock:
             n = 0
             for key in keys:
@@ -370,6 +371,15 @@ class Store:
                 if e is None or not e.stored:
                     break
                 n += 1
+            return n
+
+    def needs_lower(self, keys: Sequence[str]) -> bool:
+        """Whether a lookup of `keys` would ask the lower tier (network I/O: keep it off the loop)."""
+        lower = self.lower
+        return lower is not None and lower.usable() and self.cpu_prefix(keys) < len(keys)
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        n = self.cpu_prefix(keys)
         lower = self.lower
         if n < len(keys) and lower is not None and lower.usable():
             for found in lower.exists_many(keys[n:]):
