@@ -42,6 +42,7 @@ def _spec(
         "max_num_batched_tokens": 2048,
         "connector": connector,
         "runs": runs,
+        "enable_prefix_caching": prefix_caching,
     }
 
 

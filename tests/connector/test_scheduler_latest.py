@@ -295,3 +295,27 @@ def test_load_errors_are_recomputed(tiny_model, sidecar) -> None:
     assert req.num_computed_tokens == 32  # back to the first failed block
     run_to_end(s)
     assert_empty(s)
+
+
+@pytest.mark.parametrize("save_decode", [False, True])
+def test_save_decode_cache_saves_generated_chunks_only_when_asked(tiny_model, sidecar, save_decode) -> None:
+    url, _ = sidecar
+    s = make_scheduler(tiny_model, url, save_decode_cache=save_decode)
+    s.add_request(make_request(prompt(40, 11), max_tokens=40))  # 80 tokens: chunk [32, 64) is mostly decode
+    saves = _saves(run_to_end(s))
+    assert len([op for sv in saves for op in sv.chunks]) == (2 if save_decode else 1)
+    assert_empty(s)
+
+
+def test_priority_limit_and_skip_save_in_the_scheduler(tiny_model, sidecar) -> None:
+    url, _ = sidecar
+    s = make_scheduler(tiny_model, url, priority_limit=0)
+    low = make_request(prompt(64, 12), priority=1)
+    opted_out = make_request(prompt(64, 13))
+    opted_out.kv_transfer_params = {"kvpool.skip_save": True}
+    at_limit = make_request(prompt(64, 14), priority=0)
+    for r in (low, opted_out, at_limit):
+        s.add_request(r)
+    saves = _saves(run_to_end(s))
+    assert {sv.req_id for sv in saves} == {at_limit.request_id}
+    assert_empty(s)
