@@ -19,8 +19,12 @@ class Arena:
         # The same file across sidecar restarts (an emptyDir outlives its containers): a client
         # that still maps it keeps a valid mapping, and memory is not held twice. Its old bytes are
         # never trusted: the index starts empty, and every chunk is checksummed before it is served.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o660)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
+            # Readable and writable by the vLLM container whatever user it runs as: the directory
+            # is a volume private to the pod, so the pod's containers are all who can reach it.
+            with contextlib.suppress(PermissionError):  # a file another user made keeps its mode
+                os.fchmod(fd, 0o666)
             os.ftruncate(fd, size)
             # Allocate every page now: a first touch during a save costs a page fault and zeroing
             # (measured: saves ran at a fifth of their speed), and a tmpfs too small for --capacity

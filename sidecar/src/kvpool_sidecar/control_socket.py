@@ -84,5 +84,5 @@ async def start(sidecar: Sidecar) -> asyncio.AbstractServer:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     server = await asyncio.start_unix_server(lambda r, w: _serve_client(sidecar, r, w), path=path)
-    os.chmod(path, 0o660)
+    os.chmod(path, 0o666)  # like the arena: any user of the pod's containers
     return server
