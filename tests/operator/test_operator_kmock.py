@@ -435,6 +435,32 @@ def test_a_pool_the_schema_cannot_refuse_is_degraded_and_never_injected(cluster:
     assert result == pod and "not usable" in response["warnings"][0]
 
 
+def test_extra_config_is_merged_under_the_pools_own_keys_with_a_warning(cluster: Cluster) -> None:
+    ns = "extra"
+    create_pool(cluster, ns, "llama", {"selector": {"matchLabels": {"app": "vllm"}},
+                                       "extraConfig": {"chunk_size": 64, "timeout_ms": 300}})  # fmt: skip
+    status = wait_status(cluster, ns, "llama", lambda s: s.get("connectorConfig"), "config")
+    extra = json.loads(status["connectorConfig"])["kv_connector_extra_config"]
+    assert (extra["chunk_size"], extra["timeout_ms"]) == (256, 300)
+
+    def warned() -> bool:
+        return any(e["reason"] == "ExtraConfigOverridden" and "spec.extraConfig.chunk_size" in e["message"]
+                   for e in cluster.api.events(ns, "llama"))  # fmt: skip
+
+    wait_until(warned, 30, "a warning event")
+
+
+def test_a_wrong_type_the_api_server_let_through_is_reported_not_crashed_on(cluster: Cluster) -> None:
+    """kmock validates nothing, like an API server without the CRD's schema: the operator checks too."""
+    ns = "types"
+    create_pool(cluster, ns, "llama", {"selector": {"matchLabels": {"app": "vllm"}}, "chunkSize": "big"})
+    status = wait_status(
+        cluster, ns, "llama", lambda s: condition(s, "Degraded").get("status") == "True", "Degraded"
+    )
+    assert "spec.chunkSize" in condition(status, "Degraded")["message"]
+    assert cluster.operator.thread.is_alive()
+
+
 def test_deleting_a_pool_completes(cluster: Cluster) -> None:
     ns = "del"
     pool = create_pool(cluster, ns, "llama", {"selector": {"matchLabels": {"app": "vllm"}}})
