@@ -19,6 +19,7 @@ from webhooks import admitted, review
 from kvpool_operator.injection import decide
 from kvpool_operator.pool import parse_pool
 from kvpool_operator.settings import OperatorSettings
+from kvpool_sidecar.settings import parse_settings
 
 NS = "web"
 
@@ -145,7 +146,7 @@ EXPECTED_SOLO = {
                     "--status-port",
                     "7071",
                     "--capacity",
-                    "1Gi",
+                    "1073741824",
                     "--arena-dir",
                     "/var/run/kvpool",
                 ],
@@ -328,3 +329,29 @@ def test_legacy_mode_adds_a_plain_container() -> None:
         ).pod
         == expected
     )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "redis"])
+def test_the_sidecar_parses_what_the_webhook_injects(backend: str) -> None:
+    """The injected args and env, read by the sidecar's own settings parser."""
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": {"app": "solo"}},
+        "capacity": "1.5Gi",
+        "sidecar": {"port": 9100},
+    }
+    if backend == "redis":
+        spec.update(backend="redis", redis={"mode": "shared"})
+    pool = parse_pool(NS, "solo", spec)
+    pod = decide(vllm_pod({"app": "solo"}), NS, [pool], OperatorSettings()).pod
+    assert pod is not None
+    (sidecar,) = pod["spec"]["initContainers"]
+    env = {e["name"]: "s3cret" for e in sidecar.get("env", [])}  # what the kubelet fills from the Secret
+    settings = parse_settings(sidecar["args"], environ=env)
+    assert (settings.host, settings.port, settings.status_port) == ("127.0.0.1", 9100, 9101)
+    assert settings.capacity == int(1.5 * 2**30)
+    assert str(settings.arena_dir) == "/var/run/kvpool"
+    if backend == "redis":
+        assert str(settings.redis_urls_file) == "/etc/kvpool/redis/redis-urls"
+        assert settings.redis_password == "s3cret"
+    else:
+        assert settings.redis_urls_file is None and settings.redis_password is None

@@ -138,7 +138,7 @@ def sidecar_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
         "--host", "127.0.0.1",
         "--port", str(pool.sidecar_port),
         "--status-port", str(pool.status_port),
-        "--capacity", pool.capacity,
+        "--capacity", str(pool.capacity_bytes),  # plain bytes: no quantity dialect to disagree on
         "--arena-dir", names.ARENA_DIR,
     ]  # fmt: skip
     mounts = [{"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR}]
