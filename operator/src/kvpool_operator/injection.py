@@ -13,6 +13,7 @@ from typing import Any
 
 from kvpool_operator import names
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
+from kvpool_operator.pods import opted_out
 from kvpool_operator.pool import Pool, problems
 from kvpool_operator.quantity import format_mebibytes
 from kvpool_operator.selector import matches
@@ -36,11 +37,9 @@ def decide(
     pod: Mapping[str, Any], namespace: str, pools: Iterable[Pool], settings: OperatorSettings
 ) -> Decision:
     """Which pool (if exactly one) claims this pod, and the injected pod."""
-    meta = pod.get("metadata") or {}
-    labels = meta.get("labels") or {}
-    opted_out = (meta.get("annotations") or {}).get(names.INJECT_ANNOTATION) == "false"
-    if opted_out or labels.get(names.INJECT_ANNOTATION) == "false":
+    if opted_out(pod):
         return Decision(None)
+    labels = (pod.get("metadata") or {}).get("labels") or {}
     claiming = [p for p in pools if p.namespace == namespace and matches(p.selector, labels)]
     if not claiming:
         return Decision(None)

@@ -20,6 +20,7 @@ class PodCounts:
 
 
 def opted_out(pod: Mapping[str, Any]) -> bool:
+    """`kvpool.dev/inject: "false"` as an annotation, or as the label the webhook's objectSelector skips."""
     meta = pod.get("metadata") or {}
     return (meta.get("annotations") or {}).get(names.INJECT_ANNOTATION) == "false" or (
         meta.get("labels") or {}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -19,7 +18,6 @@ from kvpool_operator.injection import decide
 from kvpool_operator.pool import Pool
 
 HANDLER_ID = "kvpool-inject"  # the webhook path is /kvpool-inject
-log = logging.getLogger("kvpool.webhook")
 
 
 class WebhookServer(kopf.WebhookServer):
@@ -41,23 +39,20 @@ class WebhookServer(kopf.WebhookServer):
 async def inject(
     body: Any, patch: kopf.Patch, warnings: list[str], memo: Any, pools: Iterable[Pool], dryrun: bool = False
 ) -> None:
-    """Sets the patch to the injected pod when exactly one usable pool claims it; never raises."""
-    try:
-        pod = copy.deepcopy(dict(body))
-        namespace = (pod.get("metadata") or {}).get("namespace") or ""
-        decision = decide(pod, namespace, pools, memo.settings)
-        warnings.extend(decision.warnings)
-        if decision.pod is not None:
-            new = decision.pod
-            patch.fns.append(lambda raw: (raw.clear(), raw.update(copy.deepcopy(new))))
-        if decision.warnings and not dryrun:
-            for pool in decision.pools:
-                _background(
-                    memo, events.post(memo.kube, pool, "Warning", "PodNotInjected", decision.warnings[0])
-                )
-    except Exception:
-        log.exception("kvpool-inject failed; admitting the pod untouched")
-        patch.clear()
+    """Sets the patch to the injected pod when exactly one usable pool claims it.
+
+    The handler around it turns any exception into an untouched admission (fail open).
+    """
+    pod = copy.deepcopy(dict(body))
+    namespace = (pod.get("metadata") or {}).get("namespace") or ""
+    decision = decide(pod, namespace, pools, memo.settings)
+    warnings.extend(decision.warnings)
+    if decision.pod is not None:
+        new = decision.pod
+        patch.fns.append(lambda raw: (raw.clear(), raw.update(copy.deepcopy(new))))
+    if decision.warnings and not dryrun:
+        for pool in decision.pools:
+            _background(memo, events.post(memo.kube, pool, "Warning", "PodNotInjected", decision.warnings[0]))
 
 
 def _background(memo: Any, coro: Any) -> None:
