@@ -136,7 +136,9 @@ class Kube:
                 raise
         return await self.patch(kind, namespace, body["metadata"]["name"], body)
 
-    async def create_once(self, kind: str, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    async def ensure_absent_then_create(
+        self, kind: str, namespace: str, body: Mapping[str, Any]
+    ) -> dict[str, Any]:
         """Creates the object unless it exists; an existing one is kept as it is (a generated password)."""
         existing = await self.get(kind, namespace, body["metadata"]["name"])
         if existing is not None:

@@ -109,7 +109,7 @@ async def reconcile(
 
 async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> tuple[list[str], tuple[int, int]]:
     ns, name = pool.namespace, names.redis_name(pool.name)
-    await kube.create_once("Secret", ns, objects.password_secret(pool, owner))
+    await kube.ensure_absent_then_create("Secret", ns, objects.password_secret(pool, owner))
     await kube.ensure("Service", ns, objects.redis_service(pool, owner))
     sts = await kube.get("StatefulSet", ns, name)
     current = (sts or {}).get("spec", {}).get("replicas")
