@@ -60,9 +60,8 @@ FROM python AS operator-env
 ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
 COPY requirements/operator.txt /tmp/requirements.txt
 RUN python3 -m venv /opt/kvpool && /opt/kvpool/bin/pip install --no-deps -r /tmp/requirements.txt
-COPY --from=wheels /wheels/ /tmp/wheels/
-# The operator builds the connector's configuration with kvpool_connector.config (stdlib only).
-RUN /opt/kvpool/bin/pip install --no-deps /tmp/wheels/kvpool_operator-*.whl /tmp/wheels/kvpool_connector-*.whl \
+COPY --from=wheels /wheels/kvpool_operator-*.whl /tmp/
+RUN /opt/kvpool/bin/pip install --no-deps /tmp/kvpool_operator-*.whl \
     && /opt/kvpool/bin/python -m pip uninstall --yes --quiet pip setuptools
 
 FROM python AS operator
