@@ -7,8 +7,8 @@ import datetime
 import pytest
 
 from kvpool_operator import conditions
-from kvpool_operator.injection import strip_flag
-from kvpool_operator.pool import ScalingSpec
+from kvpool_operator.injection import arena_size_limit, strip_flag
+from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
 from kvpool_operator.scaling import desired_shards, shards_to_publish
 from kvpool_operator.selector import matches, to_query
@@ -38,6 +38,14 @@ def test_parse_quantity_refuses(bad: object) -> None:
 
 def test_format_mebibytes_rounds_up() -> None:
     assert format_mebibytes(2**30) == "1024Mi" and format_mebibytes(2**20 + 1) == "2Mi"
+
+
+@pytest.mark.parametrize(("capacity", "limit"), [("1Gi", "1025Mi"), ("1G", "955Mi"), ("1.5Gi", "1537Mi")])
+def test_arena_size_limit_holds_the_arena_in_whole_pages(capacity: str, limit: str) -> None:
+    pool = parse_pool("ns", "p", {"selector": {"matchLabels": {"a": "b"}}, "capacity": capacity})
+    assert arena_size_limit(pool) == limit
+    pages = -(-pool.capacity_bytes // 4096)
+    assert pages * 4096 < parse_quantity(limit)
 
 
 SELECTOR = {

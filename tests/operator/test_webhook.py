@@ -168,7 +168,7 @@ EXPECTED_SOLO = {
                 },
             }
         ],
-        "volumes": [{"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}],
+        "volumes": [{"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1025Mi"}}],
     },
 }
 

@@ -21,6 +21,7 @@ from kvpool_operator.settings import OperatorSettings
 
 SIDECAR_OVERHEAD_BYTES = 256 * 2**20  # the sidecar process itself, beside its arena
 SIDECAR_CPU_REQUEST = "250m"
+ARENA_HEADROOM_BYTES = 2**20  # beside the arena file: the control socket, page rounding
 RUN_AS_USER = 65532  # any non-root uid: the arena emptyDir is world-writable
 
 
@@ -205,7 +206,7 @@ def sidecar_resources(pool: Pool) -> dict[str, Any]:
 
 def pod_volumes(pool: Pool) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
-        {"name": names.ARENA_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": pool.capacity}}
+        {"name": names.ARENA_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": arena_size_limit(pool)}}
     ]
     if pool.redis is not None:
         volumes.append(
@@ -218,6 +219,12 @@ def pod_volumes(pool: Pool) -> list[dict[str, Any]]:
             }
         )
     return volumes
+
+
+def arena_size_limit(pool: Pool) -> str:
+    """The capacity in whole MiB plus 1 MiB: tmpfs counts whole pages (a 1G arena fills 1536 bytes
+    more than 10^9), and the kubelet evicts the whole pod, vLLM included, past the limit."""
+    return format_mebibytes(pool.capacity_bytes + ARENA_HEADROOM_BYTES)
 
 
 def _probe(path: str, port: int, *, period: int, failures: int) -> dict[str, Any]:
