@@ -111,6 +111,9 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     # --- scheduler side --------------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.track(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -60,6 +60,10 @@ class KVPoolScheduler:
             )
         return st.links[index]
 
+    def track(self, request: Request) -> None:
+        """Starts tracking a request when vLLM receives it (so it saves even if never looked up)."""
+        self._state(request)
+
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
