@@ -156,7 +156,7 @@ EXPECTED_SOLO = {
                     "requests": {"cpu": "250m", "memory": "1280Mi"},
                     "limits": {"memory": "1280Mi"},
                 },
-                "startupProbe": probe("/readyz", 2, 150),
+                "startupProbe": probe("/readyz?tier=cpu", 2, 150),
                 "livenessProbe": probe("/healthz", 10, 6),
                 "securityContext": {
                     "runAsNonRoot": True,
@@ -259,7 +259,7 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
         "name": "kvpool-redis-urls",
         "configMap": {"name": "cached-kvpool", "items": [{"key": "redis-urls", "path": "redis-urls"}]},
     } in result["spec"]["volumes"]
-    assert sidecar["startupProbe"]["httpGet"] == {"path": "/readyz", "port": 8001}
+    assert sidecar["startupProbe"]["httpGet"] == {"path": "/readyz?tier=cpu", "port": 8001}
 
 
 def test_injected_pods_need_no_privileges(pools: Cluster) -> None:

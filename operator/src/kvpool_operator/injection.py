@@ -162,10 +162,11 @@ def sidecar_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
         "ports": [{"name": "kvpool-status", "containerPort": probe_port, "protocol": "TCP"}],
         "volumeMounts": mounts,
         "resources": sidecar_resources(pool),
-        # vLLM starts once its cache answers /readyz (native sidecar); a slow start is not a failure.
+        # vLLM starts once its cache's CPU tier answers (native sidecar); a slow start is not a failure,
+        # and a Redis outage (which /readyz alone reports) must not hold vLLM back.
         # No readiness probe: a sidecar's readiness is the pod's, and a Redis outage must stay a
         # cache miss, never take vLLM out of its Service.
-        "startupProbe": _probe("/readyz", probe_port, period=2, failures=150),
+        "startupProbe": _probe("/readyz?tier=cpu", probe_port, period=2, failures=150),
         "livenessProbe": _probe("/healthz", probe_port, period=10, failures=6),
         "securityContext": {
             "runAsNonRoot": True,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Header, HTTPException, Path, Request
 from fastapi.concurrency import run_in_threadpool
@@ -61,8 +61,10 @@ def _add_status_routes(app: FastAPI, sidecar: Sidecar) -> None:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["status"], responses={503: {"model": s.Error}})
-    async def readyz() -> JSONResponse:
-        ok, reason = sidecar.ready()
+    async def readyz(tier: Literal["all", "cpu"] = "all") -> JSONResponse:
+        # tier=cpu: ready as soon as the CPU tier serves, whatever Redis does. The pod's startup
+        # probe asks this, so a Redis outage never keeps vLLM from starting (it is a miss, not an error).
+        ok, reason = sidecar.ready(cpu_only=tier == "cpu")
         if ok:
             return JSONResponse({"ready": True, "reason": reason})
         return JSONResponse(

@@ -45,8 +45,8 @@ class Sidecar:
         if self.redis is not None:
             self.redis.close()
 
-    def ready(self) -> tuple[bool, str]:
-        if self.redis is not None:
+    def ready(self, cpu_only: bool = False) -> tuple[bool, str]:
+        if self.redis is not None and not cpu_only:
             ok, reason = self.redis.health()
             if not ok:
                 return False, reason
