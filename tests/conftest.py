@@ -19,7 +19,9 @@ def sidecar_factory(tmp_path: Path) -> Iterator:
     """Starts real `kvpool-sidecar` processes; all are stopped after the test."""
     started: list[Proc] = []
 
-    def make(capacity: str | int = "64Mi", redis_urls: list[str] = (), *extra: str, port: int | None = None) -> Proc:
+    def make(
+        capacity: str | int = "64Mi", redis_urls: list[str] = (), *extra: str, port: int | None = None
+    ) -> Proc:
         proc = start_sidecar(tmp_path, capacity, redis_urls, *extra, port=port)
         started.append(proc)
         return proc

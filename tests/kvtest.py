@@ -53,7 +53,9 @@ def wait_until(condition: Callable[[], object], timeout: float = 30.0, what: str
         except Exception as e:  # the condition may raise while the thing starts
             last_error = e
         time.sleep(0.02)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f": {last_error!r}" if last_error else ""))
+    raise TimeoutError(
+        f"timed out after {timeout}s waiting for {what}" + (f": {last_error!r}" if last_error else "")
+    )
 
 
 def http_ok(url: str, timeout: float = 1.0) -> bool:
@@ -121,8 +123,21 @@ class RedisServer:
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
         need(binary is not None, "redis-server (apt-get install redis-server)")
-        argv = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", str(self.dir), "--protected-mode", "no"]
+        argv = [
+            binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.dir),
+            "--protected-mode",
+            "no",
+        ]
         self.proc = spawn(argv, self.dir / "redis.log")
         wait_until(self.ping, 15, f"redis-server on port {self.port}")
         return self
@@ -146,21 +161,41 @@ def redis_server(port: int | None = None) -> Iterator[RedisServer]:
 # --- kvpool-sidecar -------------------------------------------------------------------------------
 
 
-def sidecar_argv(port: int, arena_dir: Path, capacity: str | int, redis_urls: list[str] = (), *extra: str) -> list[str]:
-    argv = [sys.executable, "-m", "kvpool_sidecar", "--host", "127.0.0.1", "--port", str(port),
-            "--capacity", str(capacity), "--arena-dir", str(arena_dir)]
+def sidecar_argv(
+    port: int, arena_dir: Path, capacity: str | int, redis_urls: list[str] = (), *extra: str
+) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "kvpool_sidecar",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--capacity",
+        str(capacity),
+        "--arena-dir",
+        str(arena_dir),
+    ]
     for url in redis_urls:
         argv += ["--redis-url", url]
     return argv + list(extra)
 
 
-def start_sidecar(workdir: Path, capacity: str | int = "64Mi", redis_urls: list[str] = (), *extra: str,
-                  port: int | None = None) -> Proc:
+def start_sidecar(
+    workdir: Path,
+    capacity: str | int = "64Mi",
+    redis_urls: list[str] = (),
+    *extra: str,
+    port: int | None = None,
+) -> Proc:
     """Starts the real sidecar process and waits for /healthz."""
     port = port or free_port()
     arena_dir = workdir / f"arena-{port}"
     arena_dir.mkdir(parents=True, exist_ok=True)
-    proc = spawn(sidecar_argv(port, arena_dir, capacity, list(redis_urls), *extra), workdir / f"sidecar-{port}.log")
+    proc = spawn(
+        sidecar_argv(port, arena_dir, capacity, list(redis_urls), *extra), workdir / f"sidecar-{port}.log"
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: proc.alive() and http_ok(url + "/healthz"), 30, f"sidecar on {url}")
