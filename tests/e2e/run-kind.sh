@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The kind e2e suite (`make e2e-kind`): creates a kind cluster (or reuses KVPOOL_E2E_CLUSTER), builds
+# and loads kvpool's images, installs the chart, runs a shared-Redis pool under a two-replica vLLM CPU
+# Deployment and checks what tests/e2e/test_kind.py says. Needs Docker and kind; helm and kubectl
+# come from scripts/get-helm.sh. Building the CPU vLLM image needs TORCH_INDEX_URL (an index with
+# torch==2.13.0+cpu), or give a ready CPU vLLM image as KVPOOL_E2E_VLLM_IMAGE.
+# KVPOOL_E2E_KEEP=1 keeps the cluster afterwards. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+bash scripts/get-helm.sh
+export PATH="$PWD/.tools/bin:$PATH"
+# The first run builds a vLLM image: far longer than the unit suite's per-test timeout.
+exec .venv/bin/python -m pytest -p no:cacheprovider -m kind -rs -v --timeout 5400 tests/e2e "$@"
