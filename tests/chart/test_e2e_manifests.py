@@ -1,0 +1,52 @@
+"""The kind suite's manifests, checked here where no cluster runs: the pool is valid for the CRD, the
+Deployment is valid Kubernetes, and the operator's own injection turns its pod into what the suite
+expects (the sidecar, and --kv-transfer-config reaching the server through the command's "$@")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jsonschema
+import yaml
+from chartkit import CRD_SOURCE, REPO
+
+MANIFESTS = REPO / "tests" / "e2e" / "manifests"
+
+
+def test_pool_is_valid_for_the_crd() -> None:
+    crd = yaml.safe_load(CRD_SOURCE.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.validate(yaml.safe_load((MANIFESTS / "pool.yaml").read_text()), schema)
+
+
+def test_deployment_is_valid_kubernetes() -> None:
+    argv = [sys.executable, "-m", "kubernetes_validate", "--strict", str(MANIFESTS / "vllm.yaml")]
+    result = subprocess.run(argv, capture_output=True, text=True)
+    assert result.returncode == 0 and "passed" in result.stdout, result.stdout + result.stderr
+
+
+def test_injection_reaches_the_vllm_server() -> None:
+    from kvpool_operator.injection import inject
+    from kvpool_operator.pool import parse_pool
+    from kvpool_operator.settings import OperatorSettings
+
+    pool_doc = yaml.safe_load((MANIFESTS / "pool.yaml").read_text())
+    deployment = yaml.safe_load((MANIFESTS / "vllm.yaml").read_text())
+    meta = pool_doc["metadata"]
+    pool = parse_pool(meta["namespace"], meta["name"], pool_doc["spec"])
+    template = deployment["spec"]["template"]
+    pod = {"metadata": {"name": "vllm-0", "namespace": meta["namespace"], **template["metadata"]},
+           "spec": template["spec"]}  # fmt: skip
+    injected = inject(pod, pool, OperatorSettings(sidecar_image="kvpool/sidecar:e2e"))
+    (sidecar,) = injected["spec"]["initContainers"]
+    assert sidecar["name"] == "kvpool-sidecar" and sidecar["restartPolicy"] == "Always"
+    (vllm,) = injected["spec"]["containers"]
+    assert vllm["args"][-2] == "--kv-transfer-config"
+    script = vllm["command"][2]
+    assert vllm["command"][:2] == ["sh", "-c"] and script.rstrip().endswith('"$@"')
+    # sh hands the args, the injected flag included, to the server as separate words
+    echo = subprocess.run(["sh", "-c", 'printf "%s\\n" "$@"', *vllm["command"][3:], *vllm["args"]],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert echo.stdout.splitlines() == vllm["args"]
+    assert injected["metadata"]["labels"]["app"] == deployment["spec"]["selector"]["matchLabels"]["app"]
