@@ -16,9 +16,11 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +33,28 @@ from .metrics import KVPoolStats
 from .paged import PagedLayer
 
 log = logging.getLogger(__name__)
+
+
+def _off_compute_cores() -> None:
+    """Moves the copy thread off the cores the forward is bound to (it inherits their affinity),
+    so on CPU the copies of later layers overlap the forward's compute of earlier ones."""
+    mine = os.sched_getaffinity(0)
+    others = set(range(os.cpu_count() or 1)) - mine
+    if others:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, others)
+
+
+@dataclass
+class _LoadJob:
+    """One step's loads: (request, chunk, block ids, arena offset) per pinned chunk."""
+
+    work: list[tuple[str, ChunkOp, torch.Tensor, int]] = field(default_factory=list)
+    leases: list[str] = field(default_factory=list)
+    done: list[threading.Event] = field(default_factory=list)  # per layer: its copies are in place
+    future: Future | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
 
 
 @dataclass
@@ -57,6 +81,8 @@ class KVPoolWorker:
         self._staging: list[torch.Tensor] = []
         self._layers_done: set[int] = set()  # layers of this step's pending saves already copied
         self._reserved = False  # this step's saves were reserved before the forward (CUDA)
+        self._loading: _LoadJob | None = None
+        self._executor: ThreadPoolExecutor | None = None
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -139,15 +165,18 @@ class KVPoolWorker:
     # --- loads -----------------------------------------------------------------------------------
 
     def start_load(self, meta: KVPoolMetadata) -> None:
+        """Pins every chunk this step loads, then copies them into the paged buffer: on CPU in a
+        background thread, layer by layer, so the forward starts at once and each attention layer
+        waits only for its own layer (wait_for_layer_load); on CUDA on the side stream."""
+        job = _LoadJob()
+        t0 = time.perf_counter()
         for load in meta.loads:
             ops = load.chunks
-            t0 = time.perf_counter()
-            done = 0
-            lease = None
+            usable = 0
             try:
                 pinned = self.client.pin([rank_key(op.link, self.tp_rank) for op in ops])
-                lease = pinned.lease
-                arena = self._arena_tensor()
+                job.leases.append(pinned.lease)
+                self._arena_tensor()
                 if pinned.slots and not self._arena_is_live():
                     raise SidecarError("the sidecar's arena changed (restarted); remapping")
                 for op, slot in zip(ops, pinned.slots, strict=False):
@@ -159,44 +188,95 @@ class KVPoolWorker:
                             self.chunk_bytes(op.chunk_blocks),
                         )
                         break
-                    self._scatter(arena, slot.offset, op)
-                    done += 1
-                    self.stats.add("loaded_chunks")
-                    self.stats.add("loaded_bytes", len(op.block_ids) * self._block_bytes())
-                if self._cuda:
-                    torch.cuda.current_stream().wait_stream(self._stream)
-                    self._stream.synchronize()  # the pinned lease may be given back below
+                    job.work.append((load.req_id, op, self._ids(op), slot.offset))
+                    usable += 1
             except Exception as e:  # a cache failure is a recompute, never a failed request
                 self.stats.add("sidecar_errors")
                 log.warning("kvpool: load of %s failed, vLLM recomputes it: %r", load.req_id, e)
                 self._reconnect()
-                lease = None
-            finally:
-                if lease is not None:
-                    with contextlib.suppress(SidecarError):  # the lease expires by itself
-                        self.client.release(lease)
-            if done < len(ops):
-                missed = [b for op in ops[done:] for b in op.block_ids]
-                self._failed_blocks.update(missed)
-                self._failed_reqs.add(load.req_id)
-                self.stats.add("load_failed_blocks", len(missed))
-                log.warning(
-                    "kvpool: %d blocks of %s not loadable; vLLM recomputes them", len(missed), load.req_id
-                )
-            self.stats.add("load_seconds", time.perf_counter() - t0)
-
-    def _scatter(self, arena: torch.Tensor, offset: int, op: ChunkOp) -> None:
-        ids = self._ids(op)
-        if not self._cuda:
-            for i, layer in enumerate(self.layers):
-                layer.scatter(ids, self._rows(arena, offset, op, i))
+            if usable < len(ops):
+                self._fail(load.req_id, [b for op in ops[usable:] for b in op.block_ids])
+        self.stats.add("load_seconds", time.perf_counter() - t0)
+        if not job.work:
+            self._release(job.leases)
             return
-        with torch.cuda.stream(self._stream):
+        job.done = [threading.Event() for _ in self.layers]
+        self._loading = job
+        if self._cuda:
+            self._scatter_layers(job)
+            self._finish_load()
+        else:
+            job.future = self._loader().submit(self._scatter_layers, job)
+
+    def _scatter_layers(self, job: _LoadJob) -> None:
+        t0 = time.perf_counter()
+        arena = self._arena_tensor()
+        try:
             for i, layer in enumerate(self.layers):
-                staged = self._rows(arena, offset, op, i).to(layer.device, non_blocking=True)
-                layer.scatter(ids, staged)
+                if self._cuda:
+                    with torch.cuda.stream(self._stream):
+                        for _, op, ids, offset in job.work:
+                            layer.scatter(
+                                ids, self._rows(arena, offset, op, i).to(layer.device, non_blocking=True)
+                            )
+                else:
+                    for _, op, ids, offset in job.work:
+                        layer.scatter(ids, self._rows(arena, offset, op, i))
+                job.done[i].set()
+            if self._cuda:
+                torch.cuda.current_stream().wait_stream(self._stream)
+                self._stream.synchronize()  # the pinned lease may be given back below
+        except Exception as e:  # reported as load errors in this same step
+            job.error = e
+        finally:
+            for event in job.done:
+                event.set()
+            self._release(job.leases)
+            job.seconds = time.perf_counter() - t0
+
+    def wait_layer(self, layer_name: str) -> None:
+        job = self._loading
+        if job is not None and (i := self.layer_index.get(layer_name)) is not None:
+            job.done[i].wait()
+
+    def _finish_load(self) -> None:
+        """Waits for this step's copies; a copy that failed turns its chunks into load errors."""
+        job, self._loading = self._loading, None
+        if job is None:
+            return
+        if job.future is not None:
+            job.future.result()
+        self.stats.add("load_seconds", job.seconds)
+        if job.error is not None:
+            log.warning("kvpool: copying loaded chunks failed, vLLM recomputes them: %r", job.error)
+            for req_id, op, _, _ in job.work:
+                self._fail(req_id, op.block_ids)
+            return
+        self.stats.add("loaded_chunks", len(job.work))
+        self.stats.add(
+            "loaded_bytes", sum(len(op.block_ids) for _, op, _, _ in job.work) * self._block_bytes()
+        )
+
+    def _fail(self, req_id: str, blocks: list[int]) -> None:
+        self._failed_blocks.update(blocks)
+        self._failed_reqs.add(req_id)
+        self.stats.add("load_failed_blocks", len(blocks))
+        log.warning("kvpool: %d blocks of %s not loadable; vLLM recomputes them", len(blocks), req_id)
+
+    def _release(self, leases: list[str]) -> None:
+        for lease in leases:
+            with contextlib.suppress(SidecarError):  # a lease expires by itself
+                self.client.release(lease)
+
+    def _loader(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix="kvpool-load", initializer=_off_compute_cores
+            )
+        return self._executor
 
     def take_load_errors(self) -> set[int]:
+        self._finish_load()
         out, self._failed_blocks = self._failed_blocks, set()
         return out
 
@@ -258,6 +338,7 @@ class KVPoolWorker:
 
     def finish_step(self, meta: KVPoolMetadata) -> None:
         """Completes this step's saves: after this returns, every block's bytes are in the arena."""
+        self._finish_load()  # saves read blocks the loads may still be writing
         t0 = time.perf_counter()
         try:
             if meta.saves and not self._reserved:
@@ -295,4 +376,7 @@ class KVPoolWorker:
         return self.stats.take()
 
     def shutdown(self) -> None:
+        self._finish_load()
+        if self._executor is not None:
+            self._executor.shutdown()
         self.client.close()
