@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The test suite: lint, the newest vLLM's scheduler tests in their own environment, then everything else.
+# The test suite: lint, the newest vLLM's scheduler tests in their own environment, then everything
+# else but the kind e2e suite (it needs Docker and kind: `make e2e-kind`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv-vllm-latest/bin/python -m pytest -m vllm_latest -p no:cacheprovider "$@"
-.venv/bin/python -m pytest -m "not vllm_latest" "$@"
+.venv/bin/python -m pytest -m "not vllm_latest and not kind" "$@"

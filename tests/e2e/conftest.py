@@ -24,10 +24,6 @@ from kindkit import HERE, NAMESPACE, RELEASE_NAMESPACE, TAG, TOOLS, Cluster, con
 from kvtest import need, wait_until
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "kind: needs Docker and kind (the e2e suite; run by make e2e-kind)")
-
-
 def _tools_present() -> None:
     if not (TOOLS / "helm").exists() or not (TOOLS / "kubectl").exists():
         run("bash", "scripts/get-helm.sh")
