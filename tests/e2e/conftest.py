@@ -1,9 +1,9 @@
 """The kind e2e suite's set-up: a kind cluster, kvpool's images built and loaded, the chart installed,
 the shared-Redis pool and a two-replica vLLM CPU Deployment applied.
 
-Every test here carries the `kind` marker (pyproject.toml); `make test` deselects it (no Docker in that CI), and
-`make e2e-kind` (tests/e2e/run-kind.sh) runs only it. Outside CI a missing tool is a skip that names
-it; in CI it is a failure.
+Every test here carries the `kind` marker (pyproject.toml); `make test` deselects it (no Docker in
+that CI), and `make e2e-kind` (tests/e2e/run-kind.sh) runs only it. Outside CI a missing tool is a
+skip that names it; in CI it is a failure.
 
 Settings (environment):
   KVPOOL_E2E_CLUSTER      kind cluster name [kvpool-e2e]; an existing cluster of that name is reused
