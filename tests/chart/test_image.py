@@ -39,7 +39,10 @@ def podman(*args: str, check: bool = True, timeout: float = 600) -> subprocess.C
 @pytest.fixture(scope="module")
 def sidecar_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     need(shutil.which("podman") is not None, "podman (apt-get install podman)")
-    os.environ["CONTAINERS_CONF"] = str(PODMAN_DIR / "containers.conf")
+    old_conf = os.environ.get("CONTAINERS_CONF")
+    os.environ["CONTAINERS_CONF"] = str(
+        PODMAN_DIR / "containers.conf"
+    )  # podman reads it; /etc stays as it is
     base = subprocess.run(
         ["bash", str(PODMAN_DIR / "base-image.sh"), BASE_IMAGE], capture_output=True, text=True
     )
@@ -87,6 +90,10 @@ def sidecar_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )
     yield tag
     podman("rmi", "--force", tag, check=False)
+    if old_conf is None:
+        os.environ.pop("CONTAINERS_CONF", None)
+    else:
+        os.environ["CONTAINERS_CONF"] = old_conf
 
 
 @pytest.fixture
