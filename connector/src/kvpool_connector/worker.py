@@ -92,6 +92,8 @@ class KVPoolWorker:
         self._cuda = bool(self.layers) and self.layers[0].device.type == "cuda"
         if self._cuda:
             self._stream = torch.cuda.Stream()
+        if not self._cuda:  # start the copy thread now, not inside the first warm request
+            self._loader().submit(torch.zeros(1).copy_, torch.ones(1)).result()
         dense = all(layer.dense for layer in self.layers)
         log.info(
             "kvpool: %d layers, %d bytes per block, %s copies, device %s",
