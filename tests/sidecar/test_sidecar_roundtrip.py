@@ -7,16 +7,10 @@ import os
 import threading
 
 import pytest
+from kvtest import start_sidecar
+from sidecar_support import key, payload
 
 from kvpool_sidecar.client import SidecarClient, SidecarError, checksum
-
-
-def key(i: int, tag: str = "a") -> str:
-    return f"{tag}{i:031x}"
-
-
-def payload(n: int, seed: int) -> bytes:
-    return os.urandom(16) * (n // 16) + bytes([seed % 256]) * (n % 16)
 
 
 def test_arena_round_trip_gives_identical_bytes(sidecar_factory) -> None:
@@ -82,6 +76,25 @@ def test_arena_path_found_through_v1_arena_and_http_control(sidecar_factory, tmp
     c._json("POST", "/v1/arena/release", {"lease": answer["lease"]})
     assert c.get(key(5)) == b"x" * 1000
     c.close()
+
+
+def test_arena_dir_too_deep_for_a_unix_socket_falls_back_to_http_control(tmp_path) -> None:
+    """AF_UNIX paths stop at ~107 bytes: the sidecar then serves without the socket, never crashes."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    proc = start_sidecar(deep, "8Mi")
+    try:
+        c = SidecarClient(proc.info["url"], shm_path=str(proc.info["arena_dir"]))
+        assert c._json("GET", "/v1/arena")["socket"] is None
+        data = payload(5000, 7)
+        (slot,) = c.reserve([(key(9), len(data))])
+        c.arena()[slot.offset : slot.offset + len(data)] = data
+        c.commit([slot])
+        pinned = c.pin([key(9)])
+        assert [bytes(c.arena()[s.offset : s.offset + s.length]) for s in pinned.slots] == [data]
+        c.release(pinned.lease)
+        c.close()
+    finally:
+        proc.stop()
 
 
 def test_abort_frees_the_reservation(sidecar_factory) -> None:

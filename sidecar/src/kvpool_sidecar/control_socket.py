@@ -79,10 +79,17 @@ async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: 
             await writer.wait_closed()
 
 
-async def start(sidecar: Sidecar) -> asyncio.AbstractServer:
+async def start(sidecar: Sidecar) -> asyncio.AbstractServer | None:
+    """The control socket, or None (logged) where it cannot be made: clients then use HTTP control."""
     path = sidecar.socket_path
+    assert path is not None
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    server = await asyncio.start_unix_server(lambda r, w: _serve_client(sidecar, r, w), path=path)
+    try:
+        server = await asyncio.start_unix_server(lambda r, w: _serve_client(sidecar, r, w), path=path)
+    except OSError as e:  # e.g. a path longer than AF_UNIX allows (~107 bytes)
+        log.warning("no control socket at %s (%s): clients will use HTTP control", path, e)
+        sidecar.socket_serving = False
+        return None
     os.chmod(path, 0o666)  # like the arena: any user of the pod's containers
     return server

@@ -58,5 +58,6 @@ async def serve(sidecar: Sidecar) -> None:
     try:
         await asyncio.gather(*(s.serve() for s in servers))
     finally:
-        sock_server.close()
+        if sock_server is not None:
+            sock_server.close()
         sidecar.close()

@@ -33,9 +33,11 @@ class Sidecar:
             sidecar.redis = tier
         return sidecar
 
+    socket_serving: bool = True  # False when the control socket could not be made (clients use HTTP)
+
     @property
-    def socket_path(self) -> str:
-        return str(self.settings.arena_dir / CONTROL_SOCKET)
+    def socket_path(self) -> str | None:
+        return str(self.settings.arena_dir / CONTROL_SOCKET) if self.socket_serving else None
 
     def start(self) -> None:
         if self.redis is not None:
