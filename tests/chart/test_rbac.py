@@ -17,7 +17,6 @@ in place of the cluster one, plus that namespace listing (kopf's observation.nam
 from __future__ import annotations
 
 import ast
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from chartkit import CHART, REPO, find, of_kind
 from kvtest import free_port, wait_until
 
 sys.path.insert(0, str(REPO / "tests" / "operator"))
-from kubeapi import KubeAPI, MemoryGauge, OperatorThread, apps_path, core_path, pool_path
+from kubeapi import KubeAPI, MemoryGauge, apps_path, core_path, operator_on_kmock, pool_path
 
 from kvpool_operator import kube
 
@@ -142,49 +141,36 @@ def external_pool(namespace: str) -> dict[str, Any]:
 def run_scenario(tmp: Path) -> list[Request]:
     """Pools created, a pod matched, the shared tier scaled up, pools deleted; returns the requests."""
     crd = yaml.safe_load((REPO / "crds" / "kvcachepool.yaml").read_text())
-    api = KubeAPI(crd)
-    peering = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "kvpool"}}
-    api.create("/apis/kopf.dev/v1/clusterkopfpeerings", peering)
-    old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(api.kubeconfig(tmp / "kubeconfig"))
     memory = MemoryGauge()
     argv = ["--webhook-insecure", "--webhook-addr", "127.0.0.1", "--webhook-port", str(free_port()),
             "--stats-interval", "0.3", "--scale-cooldown", "0", "--liveness", ""]  # fmt: skip
-    operator = OperatorThread(argv, memory)
     ns = "rbac"
-    try:
-        wait_until(lambda: operator.ready_flag.is_set() or operator.error, 60, "the operator to start")
-        assert operator.error is None, operator.error
-        shared, external = shared_pool(ns), external_pool(ns)
-        api.create(pool_path(ns), shared)
-        api.create(pool_path(ns), external)
-        labels = shared["spec"]["selector"]["matchLabels"]
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "vllm-0", "namespace": ns, "labels": labels},
-            "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
-        }
-        api.create(core_path(ns, "pods"), pod)
-        sts = apps_path(ns, "statefulsets", f"{shared['metadata']['name']}-kvpool-redis")
-        wait_until(lambda: api.get(sts), 30, "the shard StatefulSet")
-        memory.values[shared["metadata"]["name"]] = 95.0  # percent; the target is 50: two shards
-        wait_until(
-            lambda: (api.get(sts) or {}).get("spec", {}).get("replicas") == 2, 30, "the tier to scale up"
-        )
-        for pool in (shared, external):
-            path = pool_path(ns, pool["metadata"]["name"])
-            api.delete(path)
-            wait_until(lambda path=path: api.get(path) is None, 30, "the pool's deletion to complete")
-    finally:
-        operator.stop()
-        requests = sent_by_operator(api)
-        api.stop()
-        if old is None:
-            os.environ.pop("KUBECONFIG", None)
-        else:
-            os.environ["KUBECONFIG"] = old
-    assert operator.error is None, operator.error
+    with operator_on_kmock(crd, tmp, argv, memory) as (api, operator):
+        try:
+            shared, external = shared_pool(ns), external_pool(ns)
+            api.create(pool_path(ns), shared)
+            api.create(pool_path(ns), external)
+            labels = shared["spec"]["selector"]["matchLabels"]
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "vllm-0", "namespace": ns, "labels": labels},
+                "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+            }
+            api.create(core_path(ns, "pods"), pod)
+            sts = apps_path(ns, "statefulsets", f"{shared['metadata']['name']}-kvpool-redis")
+            wait_until(lambda: api.get(sts), 30, "the shard StatefulSet")
+            memory.values[shared["metadata"]["name"]] = 95.0  # percent; the target is 50: two shards
+            wait_until(
+                lambda: (api.get(sts) or {}).get("spec", {}).get("replicas") == 2, 30, "the tier to scale up"
+            )
+            for pool in (shared, external):
+                path = pool_path(ns, pool["metadata"]["name"])
+                api.delete(path)
+                wait_until(lambda path=path: api.get(path) is None, 30, "the pool's deletion to complete")
+        finally:
+            operator.stop()  # everything it sent, then the emulator goes
+            requests = sent_by_operator(api)
     return requests
 
 

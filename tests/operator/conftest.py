@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import yaml
-from kubeapi import KubeAPI, MemoryGauge, OperatorThread, listening
+from kubeapi import KubeAPI, MemoryGauge, OperatorThread, listening, operator_on_kmock
 from kvtest import REPO, free_port, wait_until
 
 CRD_PATH = REPO / "crds" / "kvcachepool.yaml"
@@ -30,16 +29,8 @@ class Cluster:
 @pytest.fixture(scope="session")
 def cluster(crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """kmock plus one real operator (webhook on plain HTTP) for all the operator's scenario tests."""
-    api = KubeAPI(crd)
-    api.create(
-        "/apis/kopf.dev/v1/clusterkopfpeerings",
-        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "kvpool"}},
-    )
-    kubeconfig = api.kubeconfig(tmp_path_factory.mktemp("kube") / "config")
     memory = MemoryGauge()
     port = free_port()
-    old = os.environ.get("KUBECONFIG")
-    os.environ["KUBECONFIG"] = str(kubeconfig)
     argv = [
         "--webhook-insecure",
         "--webhook-addr",
@@ -55,20 +46,9 @@ def cluster(crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> It
         "--liveness",
         "",
     ]
-    operator = OperatorThread(argv, memory)
-    try:
-        wait_until(lambda: operator.ready_flag.is_set() or operator.error, 60, "the operator to start")
-        assert operator.error is None, operator.error
+    with operator_on_kmock(crd, tmp_path_factory.mktemp("kube"), argv, memory) as (api, operator):
         wait_until(lambda: listening(port), 30, "the webhook server")
         yield Cluster(api, operator, memory, f"http://127.0.0.1:{port}/kvpool-inject")
-    finally:
-        operator.stop()
-        api.stop()
-        if old is None:
-            os.environ.pop("KUBECONFIG", None)
-        else:
-            os.environ["KUBECONFIG"] = old
-        assert operator.error is None, operator.error
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

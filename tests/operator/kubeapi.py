@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
 import socket
@@ -17,12 +18,14 @@ import threading
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import kmock
 import kopf
+import pytest
+from kvtest import wait_until
 
 from kvpool_operator.cli import build
 from kvpool_operator.pool import Pool
@@ -240,3 +243,28 @@ class OperatorThread:
     def stop(self) -> None:
         self.stop_flag.set()
         self.thread.join(30)
+
+
+@contextlib.contextmanager
+def operator_on_kmock(
+    crd: dict[str, Any], workdir: Path, argv: list[str], memory: MemoryGauge
+) -> Iterator[tuple[KubeAPI, OperatorThread]]:
+    """kmock serving the CRD and the cluster peering, and the real operator running against it
+    (KUBECONFIG points at kmock meanwhile). Both are stopped on the way out; stopping the operator
+    earlier inside the block is fine."""
+    api = KubeAPI(crd)
+    api.create(
+        "/apis/kopf.dev/v1/clusterkopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": "kvpool"}},
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KUBECONFIG", str(api.kubeconfig(workdir / "kubeconfig")))
+        operator = OperatorThread(argv, memory)
+        try:
+            wait_until(lambda: operator.ready_flag.is_set() or operator.error, 60, "the operator to start")
+            assert operator.error is None, operator.error
+            yield api, operator
+        finally:
+            operator.stop()
+            api.stop()
+    assert operator.error is None, operator.error
