@@ -3,13 +3,13 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test lint bench env env-latest e2e-kind clean
+.PHONY: demo test lint bench env env-test e2e-kind clean
 
 env:
 	@bash scripts/bootstrap.sh
 
-env-latest:
-	@bash scripts/bootstrap.sh --with-latest
+env-test:
+	@bash scripts/bootstrap.sh --for-tests
 
 demo: env
 	@$(VENV)/bin/kvpool demo
@@ -18,7 +18,7 @@ lint: env
 	@$(VENV)/bin/ruff check .
 	@$(VENV)/bin/ruff format --check .
 
-test: env-latest
+test: env-test
 	@bash scripts/test.sh
 
 bench: env

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the development environment: .venv with the vLLM CPU engine, the three
-# kvpool projects (editable) and the test tools; .venv-vllm-latest for the newest vLLM's scheduler
-# tests; redis-server from Debian's packages when missing. Idempotent: a stamp of the inputs skips
-# work that is already done. Used by `make demo`, `make test` and .ci/run.
+# kvpool projects (editable) and the test tools; with --for-tests also .venv-vllm-latest for the
+# newest vLLM's scheduler tests and the Debian packages the image test needs. redis-server from
+# Debian's packages when missing. Idempotent: a stamp of the inputs skips work that is already done.
+# Used by `make demo` (no flag), `make test` and .ci/run (--for-tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,13 +25,20 @@ pip_in() {
 
 stamp_of() { cat "$@" scripts/bootstrap.sh 2>/dev/null | sha256sum | cut -d' ' -f1; }
 
-ensure_redis() {
-  if command -v redis-server >/dev/null 2>&1; then return; fi
+# Debian packages: redis-server always (the demo and the tests start their own); for the tests also
+# podman, runc and mmdebstrap (the sidecar image is built and run with podman from a Debian base).
+ensure_debian_packages() {
+  local missing=() cmd pkg
+  for pair in "$@"; do
+    cmd=${pair%%:*}; pkg=${pair#*:}
+    command -v "$cmd" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  [ ${#missing[@]} -eq 0 ] && return
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    log "installing redis-server from Debian's packages"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    log "installing ${missing[*]} from Debian's packages"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   else
-    log "redis-server is missing and cannot be installed here (needs root and apt-get): install it, e.g. 'sudo apt-get install redis-server'"
+    log "missing ${missing[*]} and cannot install here (needs root and apt-get): e.g. 'sudo apt-get install ${missing[*]}'"
     exit 1
   fi
 }
@@ -63,6 +71,11 @@ ensure_latest_venv() {
   echo "$want" > "$LATEST/.stamp"
 }
 
-ensure_redis
-ensure_main_venv
-if [ "${1:-}" = "--with-latest" ]; then ensure_latest_venv; fi
+if [ "${1:-}" = "--for-tests" ]; then
+  ensure_debian_packages redis-server:redis-server podman:podman runc:runc mmdebstrap:mmdebstrap
+  ensure_main_venv
+  ensure_latest_venv
+else
+  ensure_debian_packages redis-server:redis-server
+  ensure_main_venv
+fi
