@@ -8,7 +8,7 @@ import os
 from kvtest import wait_until
 from sidecar_support import key, load, payload, save
 
-from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.client import SidecarClient, checksum
 
 CHUNK = 64 * 1024  # 16 of these fill 1 MiB exactly
 
@@ -102,6 +102,32 @@ def test_bytes_changed_behind_the_sidecar_are_never_served_and_counted(sidecar_f
     os.close(fd)
     assert c.get(keys[0]) is None
     assert c.stats()["corrupt_dropped"] == 2
+
+
+def test_pin_without_sidecar_check_hands_the_checksums_and_verify_drops_what_fails(sidecar_factory) -> None:
+    """The connector's fast path: pin(verify=False) skips the sidecar's hash; the caller checks each
+    slot against its checksum and sends the keys that fail to verify(), which drops and counts them."""
+    proc = sidecar_factory("4Mi")
+    c = client(proc)
+    chunks = {key(i, "cv"): payload(100_000, i) for i in range(3)}
+    keys = list(chunks)
+    save(c, chunks)
+    pinned = c.pin(keys)
+    c.release(pinned.lease)
+    assert [s.checksum for s in pinned.slots] == [checksum(chunks[k]) for k in keys]
+    arena = c.arena()
+    arena[pinned.slots[1].offset + 7] ^= 0xFF  # behind the sidecar's back
+    fast = c.pin(keys, verify=False)
+    assert [s.key for s in fast.slots] == keys  # handed out unchecked, with the saved checksums
+    bad = [s.key for s in fast.slots if checksum(arena[s.offset : s.offset + s.length]) != s.checksum]
+    assert bad == [keys[1]]
+    assert c.verify(keys) == [keys[1]]  # the sidecar's own check decides, not the caller's word
+    c.release(fast.lease)
+    assert c.verify(keys) == []  # already gone
+    stats = c.stats()
+    assert stats["corrupt_dropped"] == 1 and stats["chunks"] == 2
+    assert c.lookup(keys) == 1
+    assert [s.key for s in c.pin(keys, verify=False).slots] == keys[:1]
 
 
 def test_leases_and_reservations_expire_so_a_dead_client_leaks_nothing(sidecar_factory) -> None:

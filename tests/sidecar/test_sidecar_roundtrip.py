@@ -72,9 +72,15 @@ def test_arena_path_found_through_v1_arena_and_http_control(sidecar_factory, tmp
     c.commit([slot])
     # the HTTP transport of the same operations
     answer = c._json("POST", "/v1/arena/pin", {"keys": [key(5)]})
-    assert answer["slots"] == [{"key": key(5), "offset": slot.offset, "length": 1000}]
+    expected = {"key": key(5), "offset": slot.offset, "length": 1000, "checksum": checksum(b"x" * 1000)}
+    assert answer["slots"] == [expected]
+    assert c._json("POST", "/v1/arena/verify", {"keys": [key(5)]}) == {"dropped": []}
     c._json("POST", "/v1/arena/release", {"lease": answer["lease"]})
     assert c.get(key(5)) == b"x" * 1000
+    over_http = SidecarClient(proc.info["url"], control="http")
+    assert c.lookup([key(5), key(6)]) == over_http.lookup([key(5), key(6)]) == 1
+    assert c._sock is not None and over_http._sock is None  # the first went over the Unix socket
+    over_http.close()
     c.close()
 
 
@@ -89,6 +95,7 @@ def test_arena_dir_too_deep_for_a_unix_socket_falls_back_to_http_control(tmp_pat
         (slot,) = c.reserve([(key(9), len(data))])
         c.arena()[slot.offset : slot.offset + len(data)] = data
         c.commit([slot])
+        assert c.lookup([key(9), key(10)]) == 1  # POST /v1/lookup when there is no socket
         pinned = c.pin([key(9)])
         assert [bytes(c.arena()[s.offset : s.offset + s.length]) for s in pinned.slots] == [data]
         c.release(pinned.lease)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Header, HTTPException, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -97,11 +98,15 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     max_chunk = sidecar.settings.max_chunk_bytes
     drain_limit = 4 * max_chunk  # oversized bodies up to this are read and discarded, larger ones cut off
 
+    async def run(op: str, req: BaseModel) -> Any:
+        """One control operation; those that hash or ask Redis run off the event loop."""
+        if control.OPS[op][2](store, req):
+            return await run_in_threadpool(control.run, store, op, req, max_chunk)
+        return control.run(store, op, req, max_chunk)
+
     @app.post("/v1/lookup", tags=["chunks"], responses=ERRORS)
     async def lookup(req: s.LookupRequest) -> s.LookupResponse:
-        if store.needs_lower(req.keys):  # asks Redis: keep the loop free
-            return s.LookupResponse(hits=await run_in_threadpool(store.lookup, req.keys))
-        return s.LookupResponse(hits=store.lookup(req.keys))
+        return await run("lookup", req)
 
     @app.put(
         "/v1/chunks/{key}",
@@ -214,22 +219,26 @@ def create_app(sidecar: Sidecar) -> FastAPI:
 
     @app.post("/v1/arena/reserve", tags=["arena"], responses=ERRORS)
     async def reserve(req: s.ReserveRequest) -> s.ReserveResponse:
-        return control.reserve(store, req, max_chunk)
+        return await run("reserve", req)
 
     @app.post("/v1/arena/commit", tags=["arena"], responses=ERRORS)
     async def commit(req: s.CommitRequest) -> s.CommitResponse:
-        return control.commit(store, req)
+        return await run("commit", req)
 
     @app.post("/v1/arena/abort", tags=["arena"], responses=ERRORS)
     async def abort(req: s.AbortRequest) -> dict:
-        return control.abort(store, req)
+        return await run("abort", req)
 
     @app.post("/v1/arena/pin", tags=["arena"], responses=ERRORS)
     async def pin(req: s.PinRequest) -> s.PinResponse:
-        return await run_in_threadpool(control.pin, store, req)
+        return await run("pin", req)
+
+    @app.post("/v1/arena/verify", tags=["arena"], responses=ERRORS)
+    async def verify(req: s.VerifyRequest) -> s.VerifyResponse:
+        return await run("verify", req)
 
     @app.post("/v1/arena/release", tags=["arena"], responses=ERRORS)
     async def release(req: s.ReleaseRequest) -> s.ReleaseResponse:
-        return control.release(store, req)
+        return await run("release", req)
 
     return app

@@ -4,8 +4,8 @@ Standard library and xxhash only (it runs inside vLLM). Thread-safe: connections
 small pool per client, so many threads (and many processes, each with its own client) may call at
 once. Any failure is a SidecarError, which callers turn into a miss.
 
-Arena control messages (reserve/commit/abort/pin/release) go over the Unix socket in the arena
-directory when it can be reached, else over HTTP; bench/sidecar_bench.py measures both.
+Lookups and arena control messages (reserve/commit/abort/pin/verify/release) go over the Unix socket
+in the arena directory when it can be reached, else over HTTP; bench/sidecar_bench.py measures both.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ class SidecarClient:
     def _socket_pool(self) -> _Pool | None:
         """The Unix-socket pool, if the control socket exists where this process sees the arena."""
         if not self._sock_checked:
+            path = self._socket_path()  # raises while the sidecar is unreachable: asked again next time
             self._sock_checked = True
-            path = self._socket_path()
             if path and os.path.exists(path):
                 self._sock = _Pool(lambda: self._connect_unix(path), _close_quietly)
             elif self._control_mode == "socket":
@@ -184,17 +184,13 @@ class SidecarClient:
     def _socket_path(self) -> str | None:
         if self._shm_path is not None:
             return os.path.join(self._shm_path, CONTROL_SOCKET)
-        try:
-            info = self._json("GET", "/v1/arena")
-        except SidecarError:
-            return None
-        return info.get("socket")
+        return self._json("GET", "/v1/arena").get("socket")
 
     def _control(self, op: str, body: dict) -> Any:
         """One arena control round trip: over the Unix socket when there is one, else HTTP."""
         pool = self._socket_pool()
         if pool is None:
-            return self._json("POST", f"/v1/arena/{op}", body)
+            return self._json("POST", "/v1/lookup" if op == "lookup" else f"/v1/arena/{op}", body)
         for attempt in (0, 1):
             try:
                 with pool.connection() as (sock, reused):
@@ -247,7 +243,7 @@ class SidecarClient:
         """Length of the longest prefix of `keys` that can be loaded now."""
         if not keys:
             return 0
-        return int(self._json("POST", "/v1/lookup", {"keys": list(keys)})["hits"])
+        return int(self._control("lookup", {"keys": list(keys)})["hits"])
 
     def put(self, key: str, data: bytes | bytearray | memoryview, priority: int = 0) -> bool:
         """True when stored or already there; False when there is no room even after eviction (507)."""
@@ -339,10 +335,21 @@ class SidecarClient:
         if slots:
             self._control("abort", {"slots": [slot_to_json(s) for s in slots]})
 
-    def pin(self, keys: Sequence[str]) -> Pinned:
-        """Pins the longest loadable prefix of `keys`; promotes from Redis into the arena when needed."""
-        answer = self._control("pin", {"keys": list(keys)})
+    def pin(self, keys: Sequence[str], *, verify: bool = True) -> Pinned:
+        """Pins the longest loadable prefix of `keys`; promotes from Redis into the arena when needed.
+
+        verify=False skips the sidecar's check of the bytes (a hash of every pinned byte, on the
+        caller's critical path): the caller then checks each slot against `slot.checksum` itself,
+        for instance while it copies, and must not use the bytes of a slot that fails; it sends
+        those keys to verify() so the sidecar drops them."""
+        answer = self._control("pin", {"keys": list(keys), "verify": verify})
         return Pinned(answer["lease"], [slot_from_json(x) for x in answer["slots"]])
+
+    def verify(self, keys: Sequence[str]) -> list[str]:
+        """Has the sidecar check the stored bytes of `keys`; returns the keys it dropped as corrupt."""
+        if not keys:
+            return []
+        return list(self._control("verify", {"keys": list(keys)})["dropped"])
 
     def release(self, lease: str) -> None:
         self._control("release", {"lease": lease})

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
 from kvpool_sidecar import schemas as s
 from kvpool_sidecar.store import Store
 from kvpool_sidecar.wire import Slot
@@ -9,6 +14,10 @@ from kvpool_sidecar.wire import Slot
 
 class TooLarge(ValueError):
     """A chunk longer than --max-chunk-bytes (HTTP 413)."""
+
+
+def lookup(store: Store, req: s.LookupRequest) -> s.LookupResponse:
+    return s.LookupResponse(hits=store.lookup(req.keys))
 
 
 def reserve(store: Store, req: s.ReserveRequest, max_chunk_bytes: int) -> s.ReserveResponse:
@@ -32,8 +41,17 @@ def abort(store: Store, req: s.AbortRequest) -> dict:
 
 
 def pin(store: Store, req: s.PinRequest) -> s.PinResponse:
-    lease, slots = store.pin(req.keys)
-    return s.PinResponse(lease=lease, slots=[_slot_model(x) for x in slots])
+    lease, slots = store.pin(req.keys, verify=req.verify)
+    return s.PinResponse(
+        lease=lease,
+        slots=[
+            s.ChecksummedSlot(key=x.key, offset=x.offset, length=x.length, checksum=x.checksum) for x in slots
+        ],
+    )
+
+
+def verify(store: Store, req: s.VerifyRequest) -> s.VerifyResponse:
+    return s.VerifyResponse(dropped=store.verify(req.keys))
 
 
 def release(store: Store, req: s.ReleaseRequest) -> s.ReleaseResponse:
@@ -44,11 +62,31 @@ def _slot_model(slot: Slot) -> s.SlotModel:
     return s.SlotModel(key=slot.key, offset=slot.offset, length=slot.length)
 
 
-# op name -> (request model, handler, runs off the event loop: may hash or wait on Redis)
-OPS = {
-    "reserve": (s.ReserveRequest, reserve, False),
-    "commit": (s.CommitRequest, commit, False),
-    "abort": (s.AbortRequest, abort, False),
-    "pin": (s.PinRequest, pin, True),
-    "release": (s.ReleaseRequest, release, False),
+def run(store: Store, op: str, req: BaseModel, max_chunk_bytes: int) -> Any:
+    """Runs one validated operation; raises TooLarge for an oversized reservation."""
+    handler = OPS[op][1]
+    return handler(store, req, max_chunk_bytes) if handler is reserve else handler(store, req)
+
+
+def _never(store: Store, req: Any) -> bool:
+    return False
+
+
+def _always(store: Store, req: Any) -> bool:
+    return True
+
+
+def _asks_redis(store: Store, req: s.LookupRequest) -> bool:
+    return store.needs_lower(req.keys)
+
+
+# op name -> (request model, handler, whether a request runs off the event loop: it hashes or waits on Redis)
+OPS: dict[str, tuple[type[BaseModel], Callable[..., Any], Callable[[Store, Any], bool]]] = {
+    "lookup": (s.LookupRequest, lookup, _asks_redis),
+    "reserve": (s.ReserveRequest, reserve, _never),
+    "commit": (s.CommitRequest, commit, _never),
+    "abort": (s.AbortRequest, abort, _never),
+    "pin": (s.PinRequest, pin, _always),
+    "verify": (s.VerifyRequest, verify, _always),
+    "release": (s.ReleaseRequest, release, _never),
 }

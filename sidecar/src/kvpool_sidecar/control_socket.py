@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvpool_sidecar import control
 from kvpool_sidecar.service import Sidecar
@@ -22,21 +22,21 @@ from kvpool_sidecar.wire import FRAME_HEADER, MAX_FRAME_BYTES, encode_frame
 log = logging.getLogger(__name__)
 
 
-def dispatch_sync(sidecar: Sidecar, op: str, body: Any) -> tuple[int, Any]:
+def parse(op: str, body: Any) -> BaseModel | tuple[int, Any]:
+    """The validated request, or the error answer (status, body)."""
     entry = control.OPS.get(op)
     if entry is None:
         return 404, {"error": f"unknown operation {op!r}"}
-    model, handler, _ = entry
     try:
-        req = model.model_validate(body)
+        return entry[0].model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
         return 422, {"error": f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"}
+
+
+def execute(sidecar: Sidecar, op: str, req: BaseModel) -> tuple[int, Any]:
     try:
-        if handler is control.reserve:
-            result = handler(sidecar.store, req, sidecar.settings.max_chunk_bytes)
-        else:
-            result = handler(sidecar.store, req)
+        result = control.run(sidecar.store, op, req, sidecar.settings.max_chunk_bytes)
     except control.TooLarge as e:
         return 413, {"error": str(e)}
     return 200, result if isinstance(result, dict) else result.model_dump()
@@ -62,14 +62,18 @@ async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: 
                 writer.write(encode_frame({"status": 400, "body": {"error": "malformed frame"}}))
                 await writer.drain()
                 continue
-            entry = control.OPS.get(op) if isinstance(op, str) else None
-            if entry is not None and entry[2]:  # may hash or wait on Redis: off the loop
-                status, answer = await loop.run_in_executor(None, dispatch_sync, sidecar, op, body)
+            req = parse(str(op), body)
+            if isinstance(req, tuple):
+                status, answer = req
+            elif control.OPS[op][2](sidecar.store, req):  # hashes or waits on Redis: off the loop
+                status, answer = await loop.run_in_executor(None, execute, sidecar, op, req)
             else:
-                status, answer = dispatch_sync(sidecar, str(op), body)
+                status, answer = execute(sidecar, op, req)
             writer.write(encode_frame({"status": status, "body": answer}))
             await writer.drain()
     except (ConnectionError, asyncio.IncompleteReadError):
+        return
+    except asyncio.CancelledError:  # the sidecar is stopping while a client keeps its connection open
         return
     except Exception:
         log.exception("control socket client failed")

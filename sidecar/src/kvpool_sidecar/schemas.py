@@ -46,12 +46,12 @@ class ReserveResponse(BaseModel):
     slots: list[SlotModel | None]
 
 
-class CommitSlot(SlotModel):
+class ChecksummedSlot(SlotModel):
     checksum: Uint64
 
 
 class CommitRequest(_Strict):
-    slots: list[CommitSlot] = Field(max_length=MAX_BATCH)
+    slots: list[ChecksummedSlot] = Field(max_length=MAX_BATCH)
 
 
 class CommitResponse(BaseModel):
@@ -64,11 +64,24 @@ class AbortRequest(_Strict):
 
 class PinRequest(_Strict):
     keys: list[Key] = Field(max_length=MAX_BATCH)
+    verify: bool = Field(
+        True,
+        description="false: the caller checks each slot's checksum itself (while it copies, off its "
+        "critical path) and sends the keys that fail to /v1/arena/verify",
+    )
 
 
 class PinResponse(BaseModel):
     lease: str
-    slots: list[SlotModel]
+    slots: list[ChecksummedSlot]
+
+
+class VerifyRequest(_Strict):
+    keys: list[Key] = Field(max_length=MAX_BATCH)
+
+
+class VerifyResponse(BaseModel):
+    dropped: list[str]  # the keys whose stored bytes no longer match their checksum
 
 
 class ReleaseRequest(_Strict):

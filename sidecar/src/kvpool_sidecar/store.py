@@ -235,9 +235,10 @@ class Store:
                     self._drop(e)
 
     def pin(
-        self, keys: Sequence[str], *, promote: bool = True, account: bool = True
+        self, keys: Sequence[str], *, promote: bool = True, account: bool = True, verify: bool = True
     ) -> tuple[str, list[Slot]]:
-        """Pins the longest loadable prefix of `keys` (bytes verified), promoting from Redis when needed."""
+        """Pins the longest loadable prefix of `keys`, promoting from Redis when needed. The slots carry
+        their checksums; with verify=False the caller checks the bytes itself (see verify())."""
         lease_id = secrets.token_hex(16)
         entries: list[Entry] = []
         with self._lock:
@@ -251,7 +252,7 @@ class Store:
                 entries.append(e)
             # Registered now so an expired client leaks nothing even while we verify below.
             lease = self._leases[lease_id] = Lease(entries, self._clock() + self.lease_seconds)
-        good = self._verify_prefix(entries)
+        good = self._verify_prefix(entries) if verify else len(entries)
         with self._lock:
             if not lease.expired:
                 for e in entries[good:]:
@@ -264,7 +265,7 @@ class Store:
                 return lease_id, []
             if account:
                 self.counters.bytes_out += sum(e.length for e in entries)
-            return lease_id, [Slot(e.key, e.offset, e.length) for e in entries]
+            return lease_id, [Slot(e.key, e.offset, e.length, e.checksum) for e in entries]
 
     def release(self, lease_id: str) -> bool:
         with self._lock:
@@ -277,15 +278,38 @@ class Store:
 
     def _verify_prefix(self, entries: list[Entry]) -> int:
         """Checks each pinned entry's bytes; drops the first bad one and returns how many are good."""
-        view = self.arena.view
         for i, e in enumerate(entries):
-            if checksum(view[e.offset : e.offset + e.length]) != e.checksum:
-                log.warning("chunk %s changed in the arena behind the sidecar: dropped", e.key)
-                with self._lock:
-                    self.counters.corrupt_dropped += 1
-                    self._drop(e)
+            if not self._intact(e):
                 return i
         return len(entries)
+
+    def _intact(self, e: Entry) -> bool:
+        """Whether a pinned entry's bytes still match its checksum; drops and counts it when not."""
+        if checksum(self.arena.view[e.offset : e.offset + e.length]) == e.checksum:
+            return True
+        log.warning("chunk %s changed in the arena behind the sidecar: dropped", e.key)
+        with self._lock:
+            self.counters.corrupt_dropped += 1
+            self._drop(e)
+        return False
+
+    def verify(self, keys: Sequence[str]) -> list[str]:
+        """Checks the stored bytes of `keys` (a client that pinned with verify=False found them wrong,
+        or wants them checked); drops and returns those that fail. The sidecar's checksum decides."""
+        dropped = []
+        for key in keys:
+            with self._lock:
+                e = self._entries.get(key)
+                if e is None or not e.stored:
+                    continue
+                e.pins += 1  # neither evicted nor reused while we read it
+            try:
+                if not self._intact(e):
+                    dropped.append(key)
+            finally:
+                with self._lock:
+                    self._unpin(e)
+        return dropped
 
     def _promote_into(self, keys: Sequence[str], lease: Lease) -> None:
         """Loads chunks from the lower tier into the arena, pinned under the caller's lease."""

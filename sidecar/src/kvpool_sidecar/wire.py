@@ -21,8 +21,9 @@ _KEY_RE = re.compile(KEY_PATTERN)
 ARENA_FILE = "arena"
 CONTROL_SOCKET = "control.sock"
 
-# Control operations, the same names over HTTP (POST /v1/arena/<op>) and over the Unix socket.
-CONTROL_OPS = ("reserve", "commit", "abort", "pin", "release")
+# Control operations, the same names over HTTP (POST /v1/arena/<op>, lookup at POST /v1/lookup) and
+# over the Unix socket.
+CONTROL_OPS = ("lookup", "reserve", "commit", "abort", "pin", "verify", "release")
 
 # A Unix-socket frame: 4-byte big-endian length, then that many bytes of UTF-8 JSON.
 FRAME_HEADER = struct.Struct(">I")
@@ -40,17 +41,18 @@ def checksum(buf: Any) -> int:
 
 @dataclass(frozen=True)
 class Slot:
-    """A place in the arena."""
+    """A place in the arena; a pinned chunk's slot also carries the checksum it was saved with."""
 
     key: str
     offset: int
     length: int
+    checksum: int | None = None
 
 
 @dataclass(frozen=True)
 class Pinned:
     lease: str  # give back with release(); expires by itself after --lease-seconds
-    slots: list[Slot]  # the longest loadable prefix of the keys asked for, bytes verified
+    slots: list[Slot]  # the longest loadable prefix of the keys asked for, with their checksums
 
 
 def slot_to_json(slot: Slot) -> dict[str, Any]:
@@ -58,7 +60,8 @@ def slot_to_json(slot: Slot) -> dict[str, Any]:
 
 
 def slot_from_json(obj: dict[str, Any]) -> Slot:
-    return Slot(obj["key"], int(obj["offset"]), int(obj["length"]))
+    digest = obj.get("checksum")
+    return Slot(obj["key"], int(obj["offset"]), int(obj["length"]), None if digest is None else int(digest))
 
 
 def encode_frame(obj: Any) -> bytes:
