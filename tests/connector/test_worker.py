@@ -81,3 +81,33 @@ def test_other_rank_sees_nothing_and_dead_sidecar_is_errors_not_exceptions(sidec
     assert w0.take_load_errors() == {0, 1}
     w0.finish_step(KVPoolMetadata(saves=[SaveSpec("x", 0, _ops([[2, 3]]))]))  # no exception
     assert w0.take_stats().data["sidecar_errors"] >= 2
+
+
+def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(sidecar_factory) -> None:
+    """The worker pins without the sidecar's check and verifies each chunk after copying it: a chunk
+    changed in the arena (and the request's chunks after it) become load errors; the sidecar re-checks
+    and drops it."""
+    proc = sidecar_factory("16Mi")
+    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
+    src, dst = KVPoolWorker(cfg, tp_rank=0), KVPoolWorker(cfg, tp_rank=0)
+    src_layers, dst_layers = _layers(3), _layers(None)
+    src.register_kv_caches(src_layers)
+    dst.register_kv_caches(dst_layers)
+    saves = _ops([[0, 1], [2, 3], [4, 5]])
+    src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, saves)]))
+    client = SidecarClient(proc.info["url"], timeout=5)
+    keys = [rank_key(op.link, 0) for op in saves]
+    pinned = client.pin(keys)
+    client.arena()[pinned.slots[1].offset + 100] ^= 0x01  # behind the sidecar's back
+    client.release(pinned.lease)
+
+    meta = KVPoolMetadata(loads=[LoadSpec("b", _ops([[6, 7], [8, 9], [10, 11]]))])
+    dst.start_load(meta)
+    dst.finish_step(meta)
+    assert dst.take_load_errors() == {8, 9, 10, 11}
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        assert torch.equal(s[0], d[6]) and torch.equal(s[1], d[7])
+    stats = dst.take_stats().data
+    assert stats["corrupt_chunks"] == 1 and stats["loaded_chunks"] == 1
+    assert client.stats()["corrupt_dropped"] == 1
+    assert client.lookup(keys) == 1

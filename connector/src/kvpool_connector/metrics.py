@@ -15,6 +15,7 @@ COUNTERS = (
     "loaded_bytes",
     "load_seconds",
     "load_failed_blocks",  # blocks reported through get_block_ids_with_load_errors
+    "corrupt_chunks",  # loaded chunks whose bytes failed their checksum (recomputed)
     "saved_chunks",
     "saved_bytes",
     "save_seconds",

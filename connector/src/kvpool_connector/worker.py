@@ -1,10 +1,13 @@
 """Worker half: copies chunks between vLLM's paged KV buffer and the sidecar's shared-memory arena.
 
-A chunk's bytes are, for each layer in order, its blocks' pages one after another. Loads run
-synchronously before the forward; a chunk that cannot be pinned (evicted, corrupted, sidecar gone)
-leaves its blocks in get_block_ids_with_load_errors so vLLM recomputes them. Saves reserve arena
-slots, copy, then commit (the client checksums what it commits); they finish inside wait_for_save, so
-no block is reused before its bytes are out.
+A chunk's bytes are, for each layer in order, its blocks' pages one after another. Loads pin their
+chunks before the forward and copy them during it, layer by layer; a chunk that cannot be pinned
+(evicted, sidecar gone) or whose bytes fail their checksum leaves its blocks in
+get_block_ids_with_load_errors, so vLLM discards that step's output for the request and recomputes the
+blocks. The checksum is checked here, on the copy thread after the copies, not by the sidecar at pin
+time, where hashing every byte sat on the step's critical path. Saves reserve arena slots, copy, then
+commit (the client checksums what it commits); they finish inside wait_for_save, so no block is
+reused before its bytes are out.
 On CUDA the arena is pinned with cudaHostRegister and copies run on a side stream, each layer's save
 starting as soon as the forward has written it (save_kv_layer). That path has not been run here:
 this machine has no GPU.
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool_sidecar.client import SidecarClient, SidecarError, Slot
+from kvpool_sidecar.client import SidecarClient, SidecarError, Slot, checksum
 
 from .common import ChunkOp, KVPoolMetadata
 from .config import KVPoolConfig
@@ -46,12 +49,21 @@ def _off_compute_cores() -> None:
 
 
 @dataclass
-class _LoadJob:
-    """One step's loads: (request, chunk, block ids, arena offset) per pinned chunk."""
+class _Load:
+    req_id: str
+    op: ChunkOp
+    ids: torch.Tensor  # the op's block ids, on the cache's device
+    slot: Slot  # where the pinned chunk is, and its checksum
 
-    work: list[tuple[str, ChunkOp, torch.Tensor, int]] = field(default_factory=list)
+
+@dataclass
+class _LoadJob:
+    """One step's loads, one per pinned chunk."""
+
+    work: list[_Load] = field(default_factory=list)
     leases: list[str] = field(default_factory=list)
     done: list[threading.Event] = field(default_factory=list)  # per layer: its copies are in place
+    corrupt: set[str] = field(default_factory=set)  # keys whose bytes failed their checksum
     future: Future | None = None
     error: BaseException | None = None
     seconds: float = 0.0
@@ -176,7 +188,8 @@ class KVPoolWorker:
             ops = load.chunks
             usable = 0
             try:
-                pinned = self.client.pin([rank_key(op.link, self.tp_rank) for op in ops])
+                # checked against slot.checksum in _scatter_layers, off the critical path
+                pinned = self.client.pin([rank_key(op.link, self.tp_rank) for op in ops], verify=False)
                 job.leases.append(pinned.lease)
                 self._arena_tensor()
                 if pinned.slots and not self._arena_is_live():
@@ -190,7 +203,7 @@ class KVPoolWorker:
                             self.chunk_bytes(op.chunk_blocks),
                         )
                         break
-                    job.work.append((load.req_id, op, self._ids(op), slot.offset))
+                    job.work.append(_Load(load.req_id, op, self._ids(op), slot))
                     usable += 1
             except Exception as e:  # a cache failure is a recompute, never a failed request
                 self.stats.add("sidecar_errors")
@@ -217,14 +230,14 @@ class KVPoolWorker:
             for i, layer in enumerate(self.layers):
                 if self._cuda:
                     with torch.cuda.stream(self._stream):
-                        for _, op, ids, offset in job.work:
-                            layer.scatter(
-                                ids, self._rows(arena, offset, op, i).to(layer.device, non_blocking=True)
-                            )
+                        for w in job.work:
+                            rows = self._rows(arena, w.slot.offset, w.op, i)
+                            layer.scatter(w.ids, rows.to(layer.device, non_blocking=True))
                 else:
-                    for _, op, ids, offset in job.work:
-                        layer.scatter(ids, self._rows(arena, offset, op, i))
+                    for w in job.work:
+                        layer.scatter(w.ids, self._rows(arena, w.slot.offset, w.op, i))
                 job.done[i].set()
+            job.corrupt = self._corrupt(job)
             if self._cuda:
                 torch.cuda.current_stream().wait_stream(self._stream)
                 self._stream.synchronize()  # the pinned lease may be given back below
@@ -235,6 +248,23 @@ class KVPoolWorker:
                 event.set()
             self._release(job.leases)
             job.seconds = time.perf_counter() - t0
+
+    def _corrupt(self, job: _LoadJob) -> set[str]:
+        """Keys of the chunks whose arena bytes no longer match the checksum they were saved with.
+        The forward may already have read them: reported as load errors, vLLM discards that output
+        and recomputes. The sidecar re-checks them itself and drops those that fail."""
+        view = self.client.arena()
+        bad = {
+            w.slot.key
+            for w in job.work
+            if checksum(view[w.slot.offset : w.slot.offset + w.slot.length]) != w.slot.checksum
+        }
+        if bad:
+            try:
+                self.client.verify(sorted(bad))
+            except SidecarError as e:
+                log.warning("kvpool: could not have the sidecar drop corrupt chunks: %s", e)
+        return bad
 
     def wait_layer(self, layer_name: str) -> None:
         job = self._loading
@@ -251,13 +281,21 @@ class KVPoolWorker:
         self.stats.add("load_seconds", job.seconds)
         if job.error is not None:
             log.warning("kvpool: copying loaded chunks failed, vLLM recomputes them: %r", job.error)
-            for req_id, op, _, _ in job.work:
-                self._fail(req_id, op.block_ids)
+            for w in job.work:
+                self._fail(w.req_id, w.op.block_ids)
             return
-        self.stats.add("loaded_chunks", len(job.work))
-        self.stats.add(
-            "loaded_bytes", sum(len(op.block_ids) for _, op, _, _ in job.work) * self._block_bytes()
-        )
+        self.stats.add("corrupt_chunks", len(job.corrupt))
+        loaded, failed = [], set()
+        for w in job.work:  # a request's chunks after a corrupt one hang on it: recomputed as well
+            if w.slot.key in job.corrupt:
+                log.warning("kvpool: chunk %s failed its checksum", w.slot.key)
+                failed.add(w.req_id)
+            if w.req_id in failed:
+                self._fail(w.req_id, w.op.block_ids)
+            else:
+                loaded.append(w)
+        self.stats.add("loaded_chunks", len(loaded))
+        self.stats.add("loaded_bytes", sum(len(w.op.block_ids) for w in loaded) * self._block_bytes())
 
     def _fail(self, req_id: str, blocks: list[int]) -> None:
         self._failed_blocks.update(blocks)
