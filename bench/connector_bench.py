@@ -5,7 +5,9 @@ Model: random-weight Llama, hidden 1024, 8 layers, 16 heads, 4 KV heads, float32
 ../shared notes on other connectors); prompts of 2,000 random tokens; max_tokens 1; temperature 0.
 vLLM's own prefix cache is measured too, as the floor a warm run can reach.
 Each case runs in a fresh engine process with one warm-up prompt first, and one compute thread
-(VLLM_CPU_OMP_THREADS_BIND=0) in every case. Median and range over 5 prompts.
+(VLLM_CPU_OMP_THREADS_BIND=0) in every case. Cold: median and range over 5 prompts; warm: each prompt
+is sent 4 more times after its cold run (every warm run loads again: prefix caching is off), median
+and range over those 20.
 Run: `.venv/bin/python -m bench connector`.
 """
 
@@ -22,6 +24,7 @@ from kvpool_connector.tinymodel import BENCH, make_model, random_prompt
 
 PROMPT_TOKENS = 2000
 REPEAT = 5
+WARM_REPEAT = 4  # warm runs are cheap and the difference between connectors is a few ms: more samples
 BLOCK = 64
 
 
@@ -33,7 +36,7 @@ def _spec(
         p = random_prompt(PROMPT_TOKENS, BENCH.vocab, i)
         runs.append({"label": f"cold{i}", "prompts": [p], "max_tokens": 1})
         if warm:
-            runs.append({"label": f"warm{i}", "prompts": [p], "max_tokens": 1})
+            runs += [{"label": f"warm{i}.{j}", "prompts": [p], "max_tokens": 1} for j in range(WARM_REPEAT)]
     return {
         "model": str(model),
         "block_size": BLOCK,
@@ -46,8 +49,14 @@ def _spec(
     }
 
 
+def _labels(kind: str) -> list[str]:
+    if kind == "cold":
+        return [f"cold{i}" for i in range(REPEAT)]
+    return [f"warm{i}.{j}" for i in range(REPEAT) for j in range(WARM_REPEAT)]
+
+
 def _times(results: dict[str, Any], kind: str) -> list[float]:
-    return [results[f"{kind}{i}"]["seconds"] for i in range(REPEAT)]
+    return [results[label]["seconds"] for label in _labels(kind)]
 
 
 def _fmt(name: str, xs: list[float], base: float) -> str:
@@ -56,9 +65,11 @@ def _fmt(name: str, xs: list[float], base: float) -> str:
 
 
 def _same(results: dict[str, Any], reference: dict[str, Any]) -> bool:
+    """Every warm run's first token is the cold run's (warm{i}.{j} repeats cold{i}'s prompt)."""
+    first = {label: r["outputs"][0]["token_ids"] for label, r in reference.items()}
     return all(
-        results[f"warm{i}"]["outputs"][0]["token_ids"] == reference[f"cold{i}"]["outputs"][0]["token_ids"]
-        for i in range(REPEAT)
+        results[label]["outputs"][0]["token_ids"] == first[f"cold{label[4:].split('.')[0]}"]
+        for label in _labels("warm")
     )
 
 
@@ -79,7 +90,8 @@ def main() -> None:
     base = statistics.median(_times(cold, "cold"))
     print(
         f"TTFT, {PROMPT_TOKENS}-token prompt, {BENCH.layers} layers x {BENCH.kv_heads} KV heads x "
-        f"{BENCH.head_size}, float32, block {BLOCK}, chunk 256, median [range] of {REPEAT}"
+        f"{BENCH.head_size}, float32, block {BLOCK}, chunk 256, median [range] of {REPEAT} cold, "
+        f"{REPEAT * WARM_REPEAT} warm"
     )
     print("| case | TTFT | / cold |")
     print("| --- | --- | --- |")
