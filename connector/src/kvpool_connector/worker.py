@@ -8,9 +8,10 @@ blocks. The checksum is checked here, on the copy thread after the copies, not b
 time, where hashing every byte sat on the step's critical path. Saves reserve arena slots, copy, then
 commit (the client checksums what it commits); they finish inside wait_for_save, so no block is
 reused before its bytes are out.
-On CUDA the arena is pinned with cudaHostRegister and copies run on a side stream, each layer's save
-starting as soon as the forward has written it (save_kv_layer). That path has not been run here:
-this machine has no GPU.
+On CUDA the arena is pinned with cudaHostRegister and copies run on a side stream: loads are queued
+before the forward (whose stream waits for them on the GPU) while the copy thread checks the
+checksums; each layer's save starts as soon as the forward has written it (save_kv_layer). That
+path has not been run: no GPU was available to this work.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class KVPoolWorker:
         self.layer_index: dict[str, int] = {}
         self.stats = KVPoolStats()
         self._arena: torch.Tensor | None = None
+        self._arena_view: memoryview | None = None
         self._arena_id: tuple[str, int, int] | None = None  # (path, st_dev, st_ino) of the mapped file
         self._failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
@@ -104,8 +106,7 @@ class KVPoolWorker:
         self._cuda = bool(self.layers) and self.layers[0].device.type == "cuda"
         if self._cuda:
             self._stream = torch.cuda.Stream()
-        if not self._cuda:  # start the copy thread now, not inside the first warm request
-            self._loader().submit(torch.zeros(1).copy_, torch.ones(1)).result()
+        self._loader().submit(torch.zeros(1).copy_, torch.ones(1)).result()  # started now, not in a request
         dense = all(layer.dense for layer in self.layers)
         log.info(
             "kvpool: %d layers, %d bytes per block, %s copies, device %s",
@@ -150,6 +151,7 @@ class KVPoolWorker:
             self.cfg.sidecar_url, timeout=self.cfg.timeout_ms / 1000, shm_path=self.cfg.shm_path
         )
         self._arena = None
+        self._arena_view = None
         self._arena_id = None
 
     def _arena_tensor(self) -> torch.Tensor:
@@ -157,7 +159,8 @@ class KVPoolWorker:
         if self._arena is None:
             path = self._arena_path()
             st = os.stat(path)
-            arena = torch.frombuffer(self.client.arena(), dtype=torch.uint8)
+            self._arena_view = self.client.arena()
+            arena = torch.frombuffer(self._arena_view, dtype=torch.uint8)
             self._arena_id = (path, st.st_dev, st.st_ino)
             if self._cuda:
                 err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
@@ -188,7 +191,7 @@ class KVPoolWorker:
             ops = load.chunks
             usable = 0
             try:
-                # checked against slot.checksum in _scatter_layers, off the critical path
+                # checked against slot.checksum on the copy thread, off the critical path
                 pinned = self.client.pin([rank_key(op.link, self.tp_rank) for op in ops], verify=False)
                 job.leases.append(pinned.lease)
                 self._arena_tensor()
@@ -217,30 +220,39 @@ class KVPoolWorker:
             return
         job.done = [threading.Event() for _ in self.layers]
         self._loading = job
-        if self._cuda:
-            self._scatter_layers(job)
-            self._finish_load()
-        else:
-            job.future = self._loader().submit(self._scatter_layers, job)
+        if self._cuda:  # queued on the side stream now; the forward's stream waits for them on the GPU
+            try:
+                self._copy_layers(job)
+            except Exception as e:  # reported as load errors in this same step
+                job.error = e
+            torch.cuda.current_stream().wait_stream(self._stream)
+        job.future = self._loader().submit(self._finish_in_background, job)
 
-    def _scatter_layers(self, job: _LoadJob) -> None:
-        t0 = time.perf_counter()
+    def _copy_layers(self, job: _LoadJob) -> None:
+        """Copies every chunk of the job into the paged buffer, layer by layer, signalling each layer."""
         arena = self._arena_tensor()
-        try:
-            for i, layer in enumerate(self.layers):
-                if self._cuda:
-                    with torch.cuda.stream(self._stream):
-                        for w in job.work:
-                            rows = self._rows(arena, w.slot.offset, w.op, i)
-                            layer.scatter(w.ids, rows.to(layer.device, non_blocking=True))
-                else:
-                    for w in job.work:
-                        layer.scatter(w.ids, self._rows(arena, w.slot.offset, w.op, i))
-                job.done[i].set()
-            job.corrupt = self._corrupt(job)
+        for i, layer in enumerate(self.layers):
             if self._cuda:
-                torch.cuda.current_stream().wait_stream(self._stream)
-                self._stream.synchronize()  # the pinned lease may be given back below
+                with torch.cuda.stream(self._stream):
+                    for w in job.work:
+                        rows = self._rows(arena, w.slot.offset, w.op, i)
+                        layer.scatter(w.ids, rows.to(layer.device, non_blocking=True))
+            else:
+                for w in job.work:
+                    layer.scatter(w.ids, self._rows(arena, w.slot.offset, w.op, i))
+            job.done[i].set()
+
+    def _finish_in_background(self, job: _LoadJob) -> None:
+        """On the copy thread: the copies (CPU; on CUDA they are queued already), then the checksums,
+        then the leases are given back once no copy reads the arena any more."""
+        t0 = time.perf_counter()
+        try:
+            if not self._cuda:
+                self._copy_layers(job)
+            if job.error is None:
+                job.corrupt = self._corrupt(job)
+            if self._cuda:
+                self._stream.synchronize()
         except Exception as e:  # reported as load errors in this same step
             job.error = e
         finally:
@@ -253,7 +265,8 @@ class KVPoolWorker:
         """Keys of the chunks whose arena bytes no longer match the checksum they were saved with.
         The forward may already have read them: reported as load errors, vLLM discards that output
         and recomputes. The sidecar re-checks them itself and drops those that fail."""
-        view = self.client.arena()
+        view = self._arena_view  # the mapping the copies read
+        assert view is not None
         bad = {
             w.slot.key
             for w in job.work
