@@ -187,7 +187,8 @@ class SidecarClient:
         return self._json("GET", "/v1/arena").get("socket")
 
     def _control(self, op: str, body: dict) -> Any:
-        """One arena control round trip: over the Unix socket when there is one, else HTTP."""
+        """One control round trip (a lookup or an arena operation): over the Unix socket when there is
+        one, else HTTP."""
         pool = self._socket_pool()
         if pool is None:
             return self._json("POST", "/v1/lookup" if op == "lookup" else f"/v1/arena/{op}", body)
