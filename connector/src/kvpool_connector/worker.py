@@ -85,7 +85,6 @@ class KVPoolWorker:
         self.layer_index: dict[str, int] = {}
         self.stats = KVPoolStats()
         self._arena: torch.Tensor | None = None
-        self._arena_view: memoryview | None = None
         self._arena_id: tuple[str, int, int] | None = None  # (path, st_dev, st_ino) of the mapped file
         self._failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
@@ -151,7 +150,6 @@ class KVPoolWorker:
             self.cfg.sidecar_url, timeout=self.cfg.timeout_ms / 1000, shm_path=self.cfg.shm_path
         )
         self._arena = None
-        self._arena_view = None
         self._arena_id = None
 
     def _arena_tensor(self) -> torch.Tensor:
@@ -159,8 +157,7 @@ class KVPoolWorker:
         if self._arena is None:
             path = self._arena_path()
             st = os.stat(path)
-            self._arena_view = self.client.arena()
-            arena = torch.frombuffer(self._arena_view, dtype=torch.uint8)
+            arena = torch.frombuffer(self.client.arena(), dtype=torch.uint8)
             self._arena_id = (path, st.st_dev, st.st_ino)
             if self._cuda:
                 err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
@@ -265,8 +262,7 @@ class KVPoolWorker:
         """Keys of the chunks whose arena bytes no longer match the checksum they were saved with.
         The forward may already have read them: reported as load errors, vLLM discards that output
         and recomputes. The sidecar re-checks them itself and drops those that fail."""
-        view = self._arena_view  # the mapping the copies read
-        assert view is not None
+        view = self._arena_tensor().numpy()  # the mapping the copies read
         bad = {
             w.slot.key
             for w in job.work
