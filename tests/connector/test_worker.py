@@ -12,9 +12,10 @@ from kvpool_connector.worker import KVPoolWorker
 from kvpool_sidecar.client import SidecarClient
 
 BLOCKS, HEADS, BS, HEAD = 16, 2, 32, 64
+Layers = list[tuple[str, torch.Tensor]]
 
 
-def _layers(seed: int | None) -> list[tuple[str, torch.Tensor]]:
+def _layers(seed: int | None) -> Layers:
     g = torch.Generator().manual_seed(seed or 0)
     out = []
     for i in range(3):
@@ -28,13 +29,19 @@ def _ops(blocks: list[list[int]]) -> list[ChunkOp]:
     return [ChunkOp(link, 2, ids) for link, ids in zip(links, blocks, strict=True)]
 
 
-def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) -> None:
-    proc = sidecar_factory("16Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
+def _two_workers(url: str, seed: int) -> tuple[KVPoolWorker, KVPoolWorker, Layers, Layers]:
+    """A worker whose cache holds random KV, and one whose cache is zeros, on the same sidecar."""
+    cfg = KVPoolConfig(sidecar_url=url, chunk_size=64)
     src, dst = KVPoolWorker(cfg, tp_rank=0), KVPoolWorker(cfg, tp_rank=0)
-    src_layers, dst_layers = _layers(1), _layers(None)
+    src_layers, dst_layers = _layers(seed), _layers(None)
     src.register_kv_caches(src_layers)
     dst.register_kv_caches(dst_layers)
+    return src, dst, src_layers, dst_layers
+
+
+def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) -> None:
+    proc = sidecar_factory("16Mi")
+    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=1)
 
     saves = _ops([[3, 7], [1, 12], [5, 6]])
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, saves)])
@@ -88,11 +95,7 @@ def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(s
     changed in the arena (and the request's chunks after it) become load errors; the sidecar re-checks
     and drops it."""
     proc = sidecar_factory("16Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
-    src, dst = KVPoolWorker(cfg, tp_rank=0), KVPoolWorker(cfg, tp_rank=0)
-    src_layers, dst_layers = _layers(3), _layers(None)
-    src.register_kv_caches(src_layers)
-    dst.register_kv_caches(dst_layers)
+    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=3)
     saves = _ops([[0, 1], [2, 3], [4, 5]])
     src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, saves)]))
     client = SidecarClient(proc.info["url"], timeout=5)

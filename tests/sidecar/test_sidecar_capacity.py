@@ -8,7 +8,7 @@ import os
 from kvtest import wait_until
 from sidecar_support import key, load, payload, save
 
-from kvpool_sidecar.client import SidecarClient, checksum
+from kvpool_sidecar.client import SidecarClient, Slot, checksum
 
 CHUNK = 64 * 1024  # 16 of these fill 1 MiB exactly
 
@@ -76,19 +76,29 @@ def test_no_room_when_everything_is_pinned_or_reserved(sidecar_factory) -> None:
     assert c.put(key(9, "x"), b"y" * CHUNK) is True
 
 
+def _three_saved(c: SidecarClient, tag: str) -> tuple[dict[str, bytes], list[str], list[Slot]]:
+    """Three 100 kB chunks saved; their contents, keys and (pinned, then released) slots."""
+    chunks = {key(i, tag): payload(100_000, i) for i in range(3)}
+    keys = list(chunks)
+    save(c, chunks)
+    pinned = c.pin(keys)
+    c.release(pinned.lease)
+    return chunks, keys, pinned.slots
+
+
+def _flip(proc, offset: int, mask: int) -> None:
+    """Another process writes into the arena file, behind the sidecar's back."""
+    fd = os.open(proc.info["arena_dir"] / "arena", os.O_RDWR)
+    with mmap.mmap(fd, 0) as m:
+        m[offset] ^= mask
+    os.close(fd)
+
+
 def test_bytes_changed_behind_the_sidecar_are_never_served_and_counted(sidecar_factory) -> None:
     proc = sidecar_factory("4Mi")
     c = client(proc)
-    chunks = {key(i, "cs"): payload(100_000, i) for i in range(3)}
-    keys = list(chunks)
-    save(c, chunks)
-    slots = c.pin(keys)
-    c.release(slots.lease)
-    # another process writes into the arena file, behind the sidecar's back
-    fd = os.open(proc.info["arena_dir"] / "arena", os.O_RDWR)
-    with mmap.mmap(fd, 0) as m:
-        m[slots.slots[1].offset + 500] ^= 0xFF
-    os.close(fd)
+    _, keys, slots = _three_saved(c, "cs")
+    _flip(proc, slots[1].offset + 500, 0xFF)
     assert list(load(c, keys)) == keys[:1]  # the prefix stops before the changed chunk
     assert c.get(keys[1]) is None
     assert c.lookup(keys) == 1  # dropped from the index
@@ -96,10 +106,7 @@ def test_bytes_changed_behind_the_sidecar_are_never_served_and_counted(sidecar_f
     assert stats["corrupt_dropped"] == 1
     assert stats["stored_bytes"] == 200_000
     # the same through GET: change the first chunk, GET never returns it
-    fd = os.open(proc.info["arena_dir"] / "arena", os.O_RDWR)
-    with mmap.mmap(fd, 0) as m:
-        m[slots.slots[0].offset] ^= 0x01
-    os.close(fd)
+    _flip(proc, slots[0].offset, 0x01)
     assert c.get(keys[0]) is None
     assert c.stats()["corrupt_dropped"] == 2
 
@@ -109,14 +116,10 @@ def test_pin_without_sidecar_check_hands_the_checksums_and_verify_drops_what_fai
     slot against its checksum and sends the keys that fail to verify(), which drops and counts them."""
     proc = sidecar_factory("4Mi")
     c = client(proc)
-    chunks = {key(i, "cv"): payload(100_000, i) for i in range(3)}
-    keys = list(chunks)
-    save(c, chunks)
-    pinned = c.pin(keys)
-    c.release(pinned.lease)
-    assert [s.checksum for s in pinned.slots] == [checksum(chunks[k]) for k in keys]
+    chunks, keys, slots = _three_saved(c, "cv")
+    assert [s.checksum for s in slots] == [checksum(chunks[k]) for k in keys]
+    _flip(proc, slots[1].offset + 7, 0xFF)
     arena = c.arena()
-    arena[pinned.slots[1].offset + 7] ^= 0xFF  # behind the sidecar's back
     fast = c.pin(keys, verify=False)
     assert [s.key for s in fast.slots] == keys  # handed out unchecked, with the saved checksums
     bad = [s.key for s in fast.slots if checksum(arena[s.offset : s.offset + s.length]) != s.checksum]
