@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the development environment: .venv with the vLLM CPU engine, the three
 # kvpool projects (editable) and the test tools; with --for-tests also .venv-vllm-latest for the
-# newest vLLM's scheduler tests and the Debian packages the image test needs. redis-server from
+# newest vLLM's scheduler tests, the Debian packages the image test needs, helm and kubectl, and
+# the Kubernetes control plane's binaries (scripts/get-k8s.sh, from the Go module proxy). redis-server from
 # Debian's packages when missing. Idempotent: a stamp of the inputs skips work that is already done.
 # Used by `make demo` (no flag), `make test` and .ci/run (--for-tests).
 set -euo pipefail
@@ -72,9 +73,13 @@ ensure_latest_venv() {
 }
 
 if [ "${1:-}" = "--for-tests" ]; then
-  ensure_debian_packages redis-server:redis-server podman:podman runc:runc mmdebstrap:mmdebstrap
+  ensure_debian_packages redis-server:redis-server podman:podman runc:runc mmdebstrap:mmdebstrap \
+    openssl:openssl
   ensure_main_venv
   ensure_latest_venv
+  # helm and kubectl (.tools/bin), and the real control plane the apiserver tier runs (.tools/k8s/bin)
+  bash scripts/get-helm.sh
+  bash scripts/get-k8s.sh >/dev/null
 else
   ensure_debian_packages redis-server:redis-server
   ensure_main_venv

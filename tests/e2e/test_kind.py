@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from kindkit import NAMESPACE, kubectl, kubectl_json, port_forward, vllm_pods
 from kvtest import wait_until
+from podchecks import assert_injected
 
 pytestmark = pytest.mark.kind
 
@@ -40,17 +41,7 @@ def test_both_pods_got_the_sidecar_and_the_config(cluster: str) -> None:
     assert len(pods) == 2
     pool = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared")
     for pod in pods:
-        assert pod["metadata"]["labels"]["kvpool.dev/pool"] == "shared"
-        (sidecar,) = [c for c in pod["spec"].get("initContainers", []) if c["name"] == "kvpool-sidecar"]
-        assert sidecar["restartPolicy"] == "Always"  # a native sidecar: vLLM starts after its cache
-        (vllm,) = [c for c in pod["spec"]["containers"] if c["name"] == "vllm"]
-        config = json.loads(vllm["args"][vllm["args"].index("--kv-transfer-config") + 1])
-        published = pool["status"]["connectorConfig"]
-        assert config == (json.loads(published) if isinstance(published, str) else published)
-        assert config["kv_connector"] == "KVPoolConnector" and config["kv_load_failure_policy"] == "recompute"
-        assert config["kv_connector_extra_config"]["pool"] == f"{NAMESPACE}/shared"
-        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-        assert volumes["kvpool-arena"]["emptyDir"]["medium"] == "Memory"
+        assert_injected(pod, pool, "vllm")  # the same check the API-server tier makes (tests/k8s)
         assert all(cs["ready"] for cs in pod["status"]["containerStatuses"])
 
 

@@ -1,0 +1,97 @@
+"""The chart installed on the real control plane, and the operator run as the chart's own pod: the
+Deployment's pod (scheduled onto kwok's node, with a loopback pod IP) is played by a local
+`kvpool-operator` process that gets that pod's args, its ServiceAccount's token (TokenRequest) and the
+webhook certificate from the chart's Secret, and serves on the pod's IP."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controlplane import ControlPlane, get_json, port_open
+from kvtest import REPO, Proc, spawn, wait_until
+
+CHART = REPO / "charts" / "kvpool"
+HELM = REPO / ".tools" / "bin" / "helm"
+RELEASE, RELEASE_NAMESPACE = "kvpool", "kvpool-system"
+WEBHOOK_PORT = 9443
+
+
+def helm(cp: ControlPlane, *args: str, check: bool = True, stderr: bool = True) -> str:
+    """Runs the pinned helm against the control plane; its output (with stderr unless told not)."""
+    result = subprocess.run([str(HELM), "--kubeconfig", str(cp.kubeconfig), *args], capture_output=True,
+                            text=True, timeout=300, cwd=REPO)  # fmt: skip
+    if check and result.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args[:3])} failed:\n{result.stdout}\n{result.stderr}")
+    return result.stdout + (result.stderr if stderr else "")
+
+
+def operator_pods(cp: ControlPlane, release: str = RELEASE, namespace: str = RELEASE_NAMESPACE) -> list[dict]:
+    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/name=kvpool"
+    pods = get_json(cp, "-n", namespace, "pods", "-l", selector)["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def running(pod: dict[str, Any]) -> bool:
+    return pod.get("status", {}).get("phase") == "Running" and bool(pod["status"].get("podIP"))
+
+
+@dataclass
+class LocalOperator:
+    """One operator replica: the chart's pod, played by a local process on the pod's IP."""
+
+    pod: str
+    ip: str
+    proc: Proc
+    kubeconfig: Path  # the ServiceAccount's token
+
+    @property
+    def webhook_up(self) -> bool:
+        return self.proc.alive() and port_open(self.ip, WEBHOOK_PORT)
+
+
+def start_operator_as(cp: ControlPlane, pod: dict[str, Any], workdir: Path) -> LocalOperator:
+    """Runs `kvpool-operator` with the pod's own args and identity, serving on the pod's IP."""
+    name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
+    ip = pod["status"]["podIP"]
+    (container,) = pod["spec"]["containers"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "webhook-tls")["mountPath"]
+    secret_name = next(v for v in pod["spec"]["volumes"] if v["name"] == "webhook-tls")["secret"][
+        "secretName"
+    ]
+    tls = get_json(cp, "-n", namespace, "secret", secret_name)["data"]
+    files = workdir / name
+    files.mkdir(parents=True, exist_ok=True)
+    for key in ("tls.crt", "tls.key"):
+        (files / key).write_bytes(base64.b64decode(tls[key]))
+    args = [a.replace(mount, str(files)).replace("0.0.0.0", ip) for a in container["args"]]
+    kubeconfig = cp.token_kubeconfig(namespace, pod["spec"]["serviceAccountName"], files / "kubeconfig")
+    env = {"KUBECONFIG": str(kubeconfig), "POD_ID": name, "POD_NAMESPACE": namespace}
+    argv = [sys.executable, "-m", "kvpool_operator", *args, f"--webhook-addr={ip}"]
+    proc = spawn(argv, workdir / f"{name}.log", env=env)
+    operator = LocalOperator(name, ip, proc, kubeconfig)
+    try:
+        wait_until(lambda: operator.webhook_up, 60, f"the operator playing {name} to serve its webhook")
+    except TimeoutError:
+        proc.kill()
+        raise AssertionError(f"operator did not start:\n{proc.output()[-4000:]}") from None
+    return operator
+
+
+def forbidden_calls(log: str) -> list[str]:
+    """Lines of an operator log that show the API server refusing it (RBAC)."""
+    return [line for line in log.splitlines() if "403" in line or "forbidden" in line.lower()]
+
+
+def pool_status(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
+    return get_json(cp, "-n", namespace, "kvp", name).get("status", {})
+
+
+def apply(cp: ControlPlane, *docs: dict[str, Any]) -> None:
+    for doc in docs:
+        cp.kubectl("apply", "-f", "-", stdin=json.dumps(doc))

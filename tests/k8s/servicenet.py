@@ -1,0 +1,130 @@
+"""The pod network's part the API server needs, for a control plane without kube-proxy: an HTTP CONNECT
+endpoint that the API server uses as its "cluster" egress (EgressSelectorConfiguration, the mechanism
+konnectivity uses), mapping `CONNECT <cluster IP>:<port>` to a ready pod behind that Service, as
+kube-proxy would. Pods have loopback addresses (kwok's CIDR), so the pod is whatever a test serves there.
+
+The webhook's TLS is untouched: the API server still checks the certificate against the caBundle and
+the Service's DNS name; this only carries the bytes.
+"""
+
+from __future__ import annotations
+
+import random
+import select
+import socket
+import socketserver
+import threading
+from pathlib import Path
+from typing import Any
+
+
+class ServiceNetwork:
+    def __init__(self, control_plane: Any, socket_path: Path) -> None:
+        self.cp = control_plane
+        self.socket_path = socket_path
+        self.connects: list[str] = []  # every target the API server asked for, for tests to read
+
+    def start(self) -> ServiceNetwork:
+        network = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                network._handle(self.request)
+
+        self.server = socketserver.ThreadingUnixStreamServer(str(self.socket_path), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, name="service-network", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def egress_config(self) -> str:
+        return (
+            "apiVersion: apiserver.k8s.io/v1beta1\nkind: EgressSelectorConfiguration\negressSelections:\n"
+            "- name: cluster\n  connection:\n    proxyProtocol: HTTPConnect\n"
+            f"    transport:\n      uds:\n        udsName: {self.socket_path}\n"
+        )
+
+    # --- one CONNECT -------------------------------------------------------------------------------
+
+    def _handle(self, client: socket.socket) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = client.recv(4096)
+            if not chunk:
+                return
+            head += chunk
+        request_line = head.split(b"\r\n", 1)[0].decode()
+        method, target, _ = request_line.split(" ", 2)
+        self.connects.append(target)
+        backend = self.resolve(target) if method == "CONNECT" else None
+        if backend is None:
+            client.sendall(b"HTTP/1.1 503 Service Unavailable\r\n\r\n")
+            return
+        try:
+            upstream = socket.create_connection(backend, timeout=5)
+        except OSError:
+            client.sendall(b"HTTP/1.1 502 Bad Gateway\r\n\r\n")
+            return
+        client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        _pump(client, upstream)
+
+    def resolve(self, target: str) -> tuple[str, int] | None:
+        """<cluster IP>:<port> -> (a ready pod's IP, the target port), or None."""
+        host, _, port_text = target.rpartition(":")
+        services = (self.cp.get("/api/v1/services") or {}).get("items", [])
+        for svc in services:
+            if svc["spec"].get("clusterIP") != host:
+                continue
+            ports = [p for p in svc["spec"].get("ports", []) if p["port"] == int(port_text)]
+            selector = svc["spec"].get("selector")
+            if not ports or not selector:
+                return None
+            namespace = svc["metadata"]["namespace"]
+            query = ",".join(f"{k}={v}" for k, v in selector.items())
+            pods = (self.cp.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={query}") or {}).get(
+                "items", []
+            )
+            ready = [p for p in pods if _ready(p)]
+            if not ready:
+                return None
+            pod = random.choice(ready)
+            return pod["status"]["podIP"], _target_port(pod, ports[0].get("targetPort", ports[0]["port"]))
+        return None
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    if pod["metadata"].get("deletionTimestamp") or not pod.get("status", {}).get("podIP"):
+        return False
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+
+def _target_port(pod: dict[str, Any], target: int | str) -> int:
+    if isinstance(target, int):
+        return target
+    for container in pod["spec"]["containers"]:
+        for port in container.get("ports", []):
+            if port.get("name") == target:
+                return int(port["containerPort"])
+    raise LookupError(f"no container port named {target} in {pod['metadata']['name']}")
+
+
+def _pump(a: socket.socket, b: socket.socket) -> None:
+    """Copies bytes both ways until either side closes."""
+    sockets = [a, b]
+    try:
+        while True:
+            readable, _, _ = select.select(sockets, [], [], 60)
+            if not readable:
+                return
+            for s in readable:
+                data = s.recv(65536)
+                if not data:
+                    return
+                (b if s is a else a).sendall(data)
+    except OSError:
+        return
+    finally:
+        b.close()
