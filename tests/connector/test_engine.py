@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Engine, engine_spec, kvpool_connector, prompt_keys
+from enginekit import Engine, engine_spec, kvpool_connector, prompt_keys
 from kvtest import Proc, start_sidecar
 
 from kvpool_connector.tinymodel import random_prompt

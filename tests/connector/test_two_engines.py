@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Engine, engine_spec, kvpool_connector, prompt_keys
+from enginekit import Engine, engine_spec, kvpool_connector, prompt_keys
 from kvtest import RedisServer, start_sidecar, wait_until
 
 from kvpool_connector.tinymodel import random_prompt

@@ -1,12 +1,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import yaml
-from kubeapi import KubeAPI, MemoryGauge, OperatorThread, listening, operator_on_kmock
+from kubeapi import Cluster, MemoryGauge, listening, operator_on_kmock
 from kvtest import REPO, free_port, wait_until
 
 CRD_PATH = REPO / "crds" / "kvcachepool.yaml"
@@ -16,14 +15,6 @@ SCALE_COOLDOWN = 3600  # tests move status.sharedTier.lastScaleTime back instead
 @pytest.fixture(scope="session")
 def crd() -> dict[str, Any]:
     return yaml.safe_load(CRD_PATH.read_text())
-
-
-@dataclass
-class Cluster:
-    api: KubeAPI
-    operator: OperatorThread
-    memory: MemoryGauge
-    webhook_url: str
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +35,8 @@ def cluster(crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> It
         "--sidecar-image",
         "kvpool/sidecar:test",
         "--liveness",
+        "",
+        "--readiness",
         "",
     ]
     with operator_on_kmock(crd, tmp_path_factory.mktemp("kube"), argv, memory) as (api, operator):

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -268,3 +269,11 @@ def operator_on_kmock(
             operator.stop()
             api.stop()
     assert operator.error is None, operator.error
+
+
+@dataclass
+class Cluster:
+    api: KubeAPI
+    operator: OperatorThread
+    memory: MemoryGauge
+    webhook_url: str

@@ -11,8 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from conftest import Cluster
-from kubeapi import apps_path, core_path, pool_path, secret_value
+from kubeapi import Cluster, apps_path, core_path, pool_path, secret_value
 from kvtest import free_port, wait_until
 from webhooks import admitted
 

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import Cluster
-from kubeapi import pool_path
+from kubeapi import Cluster, pool_path
 from kvtest import wait_until
 from webhooks import admitted, review
 
