@@ -43,6 +43,8 @@ CLIENT_METHOD_VERBS: dict[str, frozenset[str]] = {
     "patch": frozenset({"patch"}),
     "ensure": frozenset({"create", "patch"}),
     "ensure_absent_then_create": frozenset({"get", "create"}),
+    "list_objects": frozenset({"list"}),
+    "watch": frozenset({"watch"}),
 }
 CLIENT_FIXED_KIND = {"list_pods": ("Pod", frozenset({"list"})), "event": ("Event", frozenset({"create"}))}
 # A need no request shows: creating objects whose ownerReference sets blockOwnerDeletion is checked
@@ -143,7 +145,8 @@ def run_scenario(tmp: Path) -> list[Request]:
     crd = yaml.safe_load((REPO / "crds" / "kvcachepool.yaml").read_text())
     memory = MemoryGauge()
     argv = ["--webhook-insecure", "--webhook-addr", "127.0.0.1", "--webhook-port", str(free_port()),
-            "--stats-interval", "0.3", "--scale-cooldown", "0", "--liveness", ""]  # fmt: skip
+            "--stats-interval", "0.3", "--scale-cooldown", "0",
+            "--liveness", "", "--readiness", ""]  # fmt: skip
     ns = "rbac"
     with operator_on_kmock(crd, tmp, argv, memory) as (api, operator):
         try:

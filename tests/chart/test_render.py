@@ -102,7 +102,10 @@ def test_probes_use_kopfs_liveness_endpoint(rendered: Callable, values_file: Pat
     for probe in ("startupProbe", "livenessProbe"):
         get = container[probe]["httpGet"]
         assert ports[get["port"]] == int(url.group(1)) and get["path"] == url.group(2)
-    assert ports[container["readinessProbe"]["tcpSocket"]["port"]] == ports["webhook"]
+    readiness = next(a for a in container["args"] if a.startswith("--readiness="))
+    ready = re.fullmatch(r"--readiness=http://0\.0\.0\.0:(\d+)(/\S+)", readiness)
+    get = container["readinessProbe"]["httpGet"]
+    assert ready and ports[get["port"]] == int(ready.group(1)) and get["path"] == ready.group(2)
 
 
 @pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
@@ -194,7 +197,8 @@ def test_disruption_budget_selects_the_operator(rendered: Callable) -> None:
     labels = _operator(objects)["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"].items())
     assert find(objects, "Deployment")["spec"]["replicas"] > pdb["spec"]["minAvailable"]
-    assert not of_kind(rendered(None), "PodDisruptionBudget")
+    assert of_kind(rendered(None), "PodDisruptionBudget")  # two replicas by default
+    assert not of_kind(rendered(None, "replicaCount=1"), "PodDisruptionBudget")  # would block drains
 
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["native-sidecar", "legacy-sidecar"])

@@ -202,6 +202,8 @@ class ControlPlane:
         argv: list[str | Path] = [
             binary("kwok"), "--kubeconfig", self.kubeconfig,
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            # pods that tests/k8s/kubelet.py runs for real: kwok leaves their status alone
+            "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
             "--cidr", POD_CIDR, "--node-ip", "127.88.255.254",
             "--server-address", f"127.0.0.1:{free_port()}",
         ]  # fmt: skip

@@ -56,7 +56,21 @@ class LocalOperator:
 
 
 def start_operator_as(cp: ControlPlane, pod: dict[str, Any], workdir: Path) -> LocalOperator:
-    """Runs `kvpool-operator` with the pod's own args and identity, serving on the pod's IP."""
+    """Runs `kvpool-operator` as the pod and waits for its webhook."""
+    proc = spawn_operator_as(cp, pod, workdir)
+    operator = LocalOperator(pod["metadata"]["name"], pod["status"]["podIP"], proc, proc.info["kubeconfig"])
+    try:
+        wait_until(
+            lambda: operator.webhook_up, 60, f"the operator playing {operator.pod} to serve its webhook"
+        )
+    except TimeoutError:
+        proc.kill()
+        raise AssertionError(f"operator did not start:\n{proc.output()[-4000:]}") from None
+    return operator
+
+
+def spawn_operator_as(cp: ControlPlane, pod: dict[str, Any], workdir: Path) -> Proc:
+    """Starts `kvpool-operator` with the pod's own args and identity, serving on the pod's IP."""
     name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
     ip = pod["status"]["podIP"]
     (container,) = pod["spec"]["containers"]
@@ -74,13 +88,8 @@ def start_operator_as(cp: ControlPlane, pod: dict[str, Any], workdir: Path) -> L
     env = {"KUBECONFIG": str(kubeconfig), "POD_ID": name, "POD_NAMESPACE": namespace}
     argv = [sys.executable, "-m", "kvpool_operator", *args, f"--webhook-addr={ip}"]
     proc = spawn(argv, workdir / f"{name}.log", env=env)
-    operator = LocalOperator(name, ip, proc, kubeconfig)
-    try:
-        wait_until(lambda: operator.webhook_up, 60, f"the operator playing {name} to serve its webhook")
-    except TimeoutError:
-        proc.kill()
-        raise AssertionError(f"operator did not start:\n{proc.output()[-4000:]}") from None
-    return operator
+    proc.info["kubeconfig"] = kubeconfig
+    return proc
 
 
 def forbidden_calls(log: str) -> list[str]:

@@ -9,7 +9,8 @@ the Service's DNS name; this only carries the bytes.
 
 from __future__ import annotations
 
-import random
+import contextlib
+import itertools
 import select
 import socket
 import socketserver
@@ -23,6 +24,9 @@ class ServiceNetwork:
         self.cp = control_plane
         self.socket_path = socket_path
         self.connects: list[str] = []  # every target the API server asked for, for tests to read
+        self.routes: list[tuple[str, str]] = []  # (target, the pod IP it went to)
+        self._turn = itertools.count()
+        self._open: set[socket.socket] = set()  # the API server keeps its connections alive: see reset()
 
     def start(self) -> ServiceNetwork:
         network = self
@@ -69,7 +73,17 @@ class ServiceNetwork:
             client.sendall(b"HTTP/1.1 502 Bad Gateway\r\n\r\n")
             return
         client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        _pump(client, upstream)
+        self._open.add(client)
+        try:
+            _pump(client, upstream)
+        finally:
+            self._open.discard(client)
+
+    def reset(self) -> None:
+        """Drops every open connection (as an endpoint change does): the next call picks a pod anew."""
+        for conn in list(self._open):
+            with contextlib.suppress(OSError):  # already closed by its other end
+                conn.shutdown(socket.SHUT_RDWR)
 
     def resolve(self, target: str) -> tuple[str, int] | None:
         """<cluster IP>:<port> -> (a ready pod's IP, the target port), or None."""
@@ -90,7 +104,10 @@ class ServiceNetwork:
             ready = [p for p in pods if _ready(p)]
             if not ready:
                 return None
-            pod = random.choice(ready)
+            pod = sorted(ready, key=lambda p: p["metadata"]["name"])[
+                next(self._turn) % len(ready)
+            ]  # round robin
+            self.routes.append((target, pod["status"]["podIP"]))
             return pod["status"]["podIP"], _target_port(pod, ports[0].get("targetPort", ports[0]["port"]))
         return None
 

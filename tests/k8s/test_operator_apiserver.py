@@ -50,13 +50,25 @@ def operator(
     cp = crd_installed
     helm(cp, "install", RELEASE, str(REPO / "charts" / "kvpool"), "--namespace", RELEASE_NAMESPACE,
          "--create-namespace", "--wait", "--timeout", "3m",
-         "--set", "operator.statsIntervalSeconds=1", "--set", "operator.scaleCooldownSeconds=0")  # fmt: skip
+         "--set", "operator.statsIntervalSeconds=1", "--set", "operator.scaleCooldownSeconds=0",
+         "--set", "replicaCount=1")  # fmt: skip  (two replicas: test_ha_apiserver.py)
     (pod,) = wait_until(lambda: [p for p in operator_pods(cp) if running(p)], 60, "the operator's pod to run")
     op = start_operator_as(cp, pod, tmp_path_factory.mktemp("operator"))
     try:
         yield cp, op
     finally:
         op.proc.stop()
+        helm(
+            cp,
+            "uninstall",
+            RELEASE,
+            "--namespace",
+            RELEASE_NAMESPACE,
+            "--wait",
+            "--timeout",
+            "1m",
+            check=False,
+        )
 
 
 def namespace(cp: ControlPlane, name: str, labels: dict[str, str] | None = None) -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 
 from kvpool_operator import kube
-from kvpool_operator.cli import build, main
+from kvpool_operator.cli import build, main, seniority
 
 
 def test_defaults_follow_the_contract() -> None:
@@ -61,3 +62,11 @@ def test_the_operator_imports_no_torch_vllm_or_sidecar() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_older_replica_has_the_higher_peering_priority() -> None:
+    """kopf pauses every replica sharing the top priority: each gets its own, the oldest leading."""
+    older = seniority()
+    time.sleep(0.001)  # not a wait: a process started a millisecond later
+    newer = seniority()
+    assert newer < older < 0 and older > -(2**63)

@@ -44,7 +44,8 @@ def tls_operator(
     argv = [
         "--webhook-addr", "127.0.0.1", "--webhook-port", str(port),
         "--webhook-cert", str(d / "tls.crt"), "--webhook-key", str(d / "tls.key"),
-        "--stats-interval", "1", "--sidecar-image", "kvpool/sidecar:test", "--liveness", "",
+        "--stats-interval", "1", "--sidecar-image", "kvpool/sidecar:test",
+        "--liveness", "", "--readiness", "",
     ]  # fmt: skip
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KUBECONFIG", str(api.kubeconfig(d / "kubeconfig")))
@@ -90,4 +91,5 @@ def test_peering_keeps_itself_alive(tls_operator: tuple[KubeAPI, str, Path]) -> 
         lambda: any(m == "PATCH" and p == keepalive for m, p, *_ in api.requests()), 30, "a keep-alive"
     )
     peers = (api.get(keepalive) or {}).get("status", {})
-    assert len(peers) == 1 and next(iter(peers.values()))["priority"] == 0
+    (peer,) = peers.values()
+    assert peer["priority"] < 0 and peer["lifetime"] == 30  # seniority: -(start time in µs) * 1000 - noise

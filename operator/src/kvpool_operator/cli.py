@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,18 @@ def parser() -> argparse.ArgumentParser:
         help="no peering (development only: two replicas would both act)",
     )
     p.add_argument("--liveness", default=_env("liveness", "http://0.0.0.0:8080/healthz"))
+    p.add_argument(
+        "--readiness",
+        default=_env("readiness", "http://0.0.0.0:8081/readyz"),
+        help="where to answer 200 once the webhook knows the pools (empty: nowhere)",
+    )
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=int(_env("peering-lifetime", 30)),
+        help="seconds a replica's peering entry lives without a refresh: how soon a standby takes over "
+        "from a leader that died without saying so [30]",
+    )
     p.add_argument("--webhook-addr", default=_env("webhook-addr", "0.0.0.0"))
     p.add_argument("--webhook-port", type=int, default=int(_env("webhook-port", 9443)))
     p.add_argument("--webhook-cert", default=_env("webhook-cert", None), help="TLS certificate (PEM)")
@@ -96,6 +110,18 @@ class Operator:
         }
 
 
+def seniority() -> int:
+    """This replica's kopf peering priority: unique, and higher for an older process.
+
+    kopf pauses every replica that shares the highest priority, so equal priorities (a Deployment
+    gives all its replicas the same flags) would leave no replica acting. The oldest process leads: a
+    restarted replica comes back as a standby instead of taking the lead back, and in a rolling
+    update the old leader acts until it exits (its peering entry goes with it, so the next takes over
+    at once). Microseconds, and a random part for replicas started in the same one (an int64 still).
+    """
+    return -(time.time_ns() // 1000) * 1000 - random.randrange(1000)
+
+
 def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None = None) -> Operator:
     args = parser().parse_args(argv)
     namespaces = args.namespace or [n for n in str(_env("namespace", "")).split(",") if n]
@@ -104,6 +130,8 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
         scale_cooldown=args.scale_cooldown,
         sidecar_image=args.sidecar_image,
         legacy_sidecar=args.legacy_sidecar,
+        namespaces=tuple(namespaces),
+        readiness=args.readiness or "",
     )
     registry = kopf.OperatorRegistry()
     register(registry, ours)
@@ -113,6 +141,8 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
     settings.peering.standalone = args.standalone
     settings.peering.clusterwide = not namespaces
     settings.peering.mandatory = not args.standalone
+    settings.peering.priority = seniority()
+    settings.peering.lifetime = args.peering_lifetime
     settings.posting.level = logging.WARNING  # kopf's per-handler "succeeded" events are noise
     settings.persistence.finalizer = "kvpool.dev/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kvpool.dev")
@@ -149,10 +179,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(yaml.safe_dump({"rules": rbac_rules()}, sort_keys=False), end="")
         return
     op = build(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # kopf's own format: every line about a pool says which ([namespace/name])
+    kopf.configure(verbose=args.verbose, log_prefix=True)
     if not op.settings.admission.server.insecure and not op.settings.admission.server.certfile:  # type: ignore[union-attr]
         raise SystemExit("kvpool-operator: give --webhook-cert and --webhook-key, or --webhook-insecure")
     kopf.run(**op.kwargs())

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 import kopf
 
-from kvpool_operator import kube, names, webhook
-from kvpool_operator.pool import Pool, parse_pool
+from kvpool_operator import kube, names, readiness, webhook
+from kvpool_operator.pool_index import PoolIndex
 from kvpool_operator.reconcile import reconcile
 from kvpool_operator.refresh import refresh
 from kvpool_operator.settings import OperatorSettings
 
 POOLS = (names.GROUP, names.VERSION, names.PLURAL)
-POOL_INDEX = "kvpool_pools"  # the index's name is also the handlers' kwarg
 
 
 def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> None:
@@ -26,19 +26,17 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     async def startup(memo: Any, **_: Any) -> None:
         memo.kube = kube.Kube()
         memo.background = set()
+        # the webhook's pools, followed by every replica whether it leads or not (kopf's watches pause)
+        memo.pool_index = PoolIndex()
+        memo.index_task = asyncio.create_task(memo.pool_index.run(memo.kube, settings.namespaces))
+        memo.readiness = await readiness.serve(settings.readiness, memo.pool_index.ready)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
+        memo.index_task.cancel()
+        if memo.readiness is not None:
+            await memo.readiness.cleanup()
         await memo.kube.close()
-
-    @kopf.index(*POOLS, registry=registry, id=POOL_INDEX)
-    def kvpool_pools(namespace: str, name: str, spec: Any, uid: str, **_: Any) -> dict[str, Pool] | None:
-        """Pools by namespace, kept in memory for the webhook (it must answer without API calls)."""
-        try:
-            return {namespace: parse_pool(namespace, name, spec, uid)}
-        except ValueError as e:
-            logging.getLogger("kvpool.index").warning("pool %s/%s not usable: %s", namespace, name, e)
-            return None
 
     kopf.on.create(*POOLS, registry=registry, id="reconcile")(reconcile)
     kopf.on.update(*POOLS, registry=registry, id="reconcile", field="spec")(reconcile)
@@ -55,7 +53,13 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         try:
             body = kwargs["body"]
             namespace = (body.get("metadata") or {}).get("namespace") or ""
-            pools = list(kwargs[POOL_INDEX].get(namespace, []))
+            index: PoolIndex = kwargs["memo"].pool_index
+            if not index.ready.is_set():
+                kwargs["warnings"].append(
+                    "kvpool: the operator has not yet read the pools; no cache injected"
+                )
+                return
+            pools = index.in_namespace(namespace)
             await webhook.inject(
                 body, kwargs["patch"], kwargs["warnings"], kwargs["memo"], pools, kwargs.get("dryrun")
             )

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime
+import json
 import ssl
 import tempfile
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,8 @@ KINDS: dict[str, Kind] = {
     "StatefulSet": Kind("apis/apps/v1", "statefulsets", frozenset({"get", "create", "patch"})),
     "Pod": Kind("api/v1", "pods", frozenset({"list"})),
     "Event": Kind("api/v1", "events", frozenset({"create"})),
+    # the webhook's pool index (pool_index.py), followed by every replica
+    "KVCachePool": Kind("apis/kvpool.dev/v1alpha1", "kvcachepools", frozenset({"list", "watch"})),
 }
 
 # What kopf itself needs for this operator: watching pools and patching them (finalizer, progress
@@ -162,6 +165,28 @@ class Kube:
             p for p in rsp.get("items", []) if matches(selector, p.get("metadata", {}).get("labels") or {})
         ]
 
+    async def list_objects(self, kind: str, namespace: str | None) -> tuple[list[dict[str, Any]], str]:
+        """All objects of a kind in a namespace (every namespace for None), and the list's resourceVersion."""
+        rsp = await self._request("GET", self._path(kind, namespace))
+        return rsp.get("items", []), rsp.get("metadata", {}).get("resourceVersion", "")
+
+    async def watch(
+        self, kind: str, namespace: str | None, resource_version: str, timeout: int = 300
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Watch events from `resource_version` until the server ends the stream (after `timeout` s)."""
+        session, info = await self._connect(None)
+        params = {"watch": "true", "resourceVersion": resource_version, "timeoutSeconds": str(timeout),
+                  "allowWatchBookmarks": "true"}  # fmt: skip
+        url = info.server.rstrip("/") + self._path(kind, namespace)
+        headers = {"Accept": "application/json", **info.as_http_headers()}
+        limits = aiohttp.ClientTimeout(total=None, connect=self._timeout.total, sock_read=timeout + 30)
+        async with session.get(url, params=params, headers=headers, timeout=limits) as rsp:
+            if rsp.status >= 400:
+                raise ApiError(rsp.status, f"watch {url}: {(await rsp.text())[:200]}")
+            async for line in rsp.content:
+                if line.strip():
+                    yield json.loads(line)
+
     async def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event about `involved` (a body); failures are logged by the caller, never fatal."""
         meta = involved.get("metadata", {})
@@ -194,9 +219,9 @@ class Kube:
     # --- transport --------------------------------------------------------------------------------
 
     @staticmethod
-    def _path(kind: str, namespace: str, name: str | None = None) -> str:
+    def _path(kind: str, namespace: str | None, name: str | None = None) -> str:
         k = KINDS[kind]
-        path = f"/{k.prefix}/namespaces/{namespace}/{k.plural}"
+        path = f"/{k.prefix}/namespaces/{namespace}/{k.plural}" if namespace else f"/{k.prefix}/{k.plural}"
         return f"{path}/{name}" if name else path
 
     async def _request(

@@ -14,3 +14,5 @@ class OperatorSettings:
     sidecar_image: str = DEFAULT_SIDECAR_IMAGE  # a pool's spec.sidecar.image wins
     legacy_sidecar: bool = False  # clusters < 1.29: a plain container instead of a native sidecar
     scrape_timeout: float = 2.0  # per sidecar /stats and per Redis INFO
+    namespaces: tuple[str, ...] = ()  # the watched namespaces; empty: all
+    readiness: str = ""  # where /readyz is served (http://host:port/path); empty: nowhere

@@ -1,0 +1,75 @@
+"""Every usable pool of the watched namespaces, for the webhook, kept by every replica.
+
+kopf's own watches pause on a replica that is not the leader (peering), so an index built by kopf is
+empty on a standby, and a pod sent to that replica would get no cache. This index follows the pools
+with a list and watch of its own that never pauses; `ready` is set once every watched scope has been
+listed, and the operator's readiness endpoint reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from kvpool_operator.kube import ApiError, Kube
+from kvpool_operator.pool import Pool, parse_pool
+
+RETRY_DELAY = 2.0  # seconds before a failed list or watch is tried again
+log = logging.getLogger("kvpool.index")
+
+
+class PoolIndex:
+    def __init__(self) -> None:
+        self._pools: dict[tuple[str, str], Pool] = {}
+        self._listed: set[str | None] = set()
+        self.ready = asyncio.Event()
+
+    def in_namespace(self, namespace: str) -> list[Pool]:
+        return [pool for (ns, _), pool in self._pools.items() if ns == namespace]
+
+    async def run(self, kube: Kube, namespaces: Iterable[str]) -> None:
+        """Follows the pools of `namespaces` (all namespaces when empty) until cancelled."""
+        scopes: list[str | None] = list(namespaces) or [None]
+        await asyncio.gather(*(self._follow(kube, scope, len(scopes)) for scope in scopes))
+
+    async def _follow(self, kube: Kube, namespace: str | None, scopes: int) -> None:
+        while True:
+            try:
+                items, version = await kube.list_objects("KVCachePool", namespace)
+                self._replace(namespace, items)
+                self._listed.add(namespace)
+                if len(self._listed) == scopes:
+                    self.ready.set()
+                async for event in kube.watch("KVCachePool", namespace, version):
+                    if event.get("type") == "ERROR":  # e.g. 410 Gone: list again
+                        break
+                    self._apply(event.get("type", ""), event.get("object") or {})
+            except asyncio.CancelledError:
+                raise
+            except (TimeoutError, ApiError, OSError, ValueError) as e:
+                log.warning(
+                    "following pools in %s failed (%s); again in %ss", namespace or "all", e, RETRY_DELAY
+                )
+                await asyncio.sleep(RETRY_DELAY)
+
+    def _replace(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
+        for key in [k for k in self._pools if namespace is None or k[0] == namespace]:
+            del self._pools[key]
+        for item in items:
+            self._apply("ADDED", item)
+
+    def _apply(self, kind: str, obj: dict[str, Any]) -> None:
+        meta = obj.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        if kind == "DELETED":
+            self._pools.pop(key, None)
+            return
+        if kind not in ("ADDED", "MODIFIED"):
+            return  # BOOKMARK
+        try:
+            self._pools[key] = parse_pool(key[0], key[1], obj.get("spec") or {}, meta.get("uid"))
+        except ValueError as e:
+            self._pools.pop(key, None)
+            log.warning("pool %s/%s not usable: %s", key[0], key[1], e)

@@ -1,0 +1,160 @@
+"""Two operator replicas on a real API server: exactly one reconciles, the other takes over when the
+first is lost, and the webhook injects every pod throughout, including across a rolling update of the
+operator. The operator's pods run under tests/k8s/kubelet.py, so readiness is the process's own."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from controlplane import ControlPlane, condition, get_json
+from kubelet import CUSTOM_STATUS, LocalKubelet
+from kvtest import REPO, wait_until
+from operatorkit import apply, helm
+from podchecks import untouched
+
+RELEASE, NAMESPACE, PEERING = "ha", "kvpool-ha", "kvpool-ha"
+FULLNAME = f"{RELEASE}-kvpool"
+LIFETIME = 5  # seconds a lost leader's peering entry lives
+SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/name=kvpool"
+WORKLOAD = "ha-workload"
+
+
+@pytest.fixture(scope="module")
+def kubelet(crd_installed: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKubelet]:
+    cp = crd_installed
+    annotation = ",".join(
+        f"podAnnotations.{k.replace('.', chr(92) + '.')}={v}" for k, v in CUSTOM_STATUS.items()
+    )
+    values = [
+        *("--set", f"operator.peering={PEERING}", "--set-string", annotation),
+        *("--set", f"operator.peeringLifetimeSeconds={LIFETIME}", "--set", "operator.statsIntervalSeconds=1"),
+    ]
+    chart = str(REPO / "charts" / "kvpool")
+    helm(cp, "install", RELEASE, chart, "--namespace", NAMESPACE, "--create-namespace", *values)
+    node = LocalKubelet(cp, NAMESPACE, SELECTOR, tmp_path_factory.mktemp("ha")).start()
+    try:
+        wait_until(lambda: available(cp) == 2, 120, "two operator replicas ready (their pool index built)")
+        apply(cp, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": WORKLOAD, "labels": {
+            "pod-security.kubernetes.io/enforce": "restricted"}}})  # fmt: skip
+        yield node
+        cp.kubectl("delete", "kvp", "--all", "-n", WORKLOAD, "--wait=true", "--timeout=60s")
+    finally:
+        node.stop()  # the replicas leave the peering while the chart's RBAC still lets them
+        helm(cp, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "1m", check=False)
+
+
+def available(cp: ControlPlane) -> int:
+    status = get_json(cp, "-n", NAMESPACE, "deployment", FULLNAME).get("status", {})
+    if status.get("updatedReplicas") != status.get("replicas"):
+        return 0  # a rollout under way
+    return int(status.get("availableReplicas") or 0)
+
+
+def pool(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "kvpool.dev/v1alpha1",
+        "kind": "KVCachePool",
+        "metadata": {"name": name, "namespace": WORKLOAD},
+        "spec": {"selector": {"matchLabels": {"pool": name}}, "capacity": "64Mi", "vllmContainer": "vllm"},
+    }
+
+
+def pod(name: str, pool_name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": WORKLOAD, "labels": {"pool": pool_name}},
+        "spec": {
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0", "args": ["/models/llama"],
+                            "securityContext": {"allowPrivilegeEscalation": False,
+                                                "capabilities": {"drop": ["ALL"]}}}],
+        },
+    }  # fmt: skip
+
+
+def reconciled_by(node: LocalKubelet, name: str) -> list[str]:
+    """The replicas whose log shows kopf running the pool's reconcile handler."""
+    line = re.compile(rf"\[{WORKLOAD}/{name}\] Handler 'reconcile' succeeded")
+    return [p for p in list(node.running) if line.search(node.log(p))]
+
+
+def ready_pool(cp: ControlPlane, name: str) -> bool:
+    obj = get_json(cp, "-n", WORKLOAD, "kvp", name)
+    return condition(obj, "Ready") == "True" and bool(obj["status"].get("connectorConfig"))
+
+
+def create_and_check_pod(kubelet: LocalKubelet, name: str, pool_name: str) -> set[str]:
+    """Creates a pod through the API server (and so the webhook); returns the replicas that answered
+    (two when the webhook's reinvocation went to another replica)."""
+    manifest = json.dumps(pod(name, pool_name))
+    created = json.loads(kubelet.cp.kubectl("create", "-o", "json", "-f", "-", stdin=manifest))
+    assert not untouched(created), f"{name} was admitted without its cache"
+    line = f"[{WORKLOAD}/{name}] Webhook 'kvpool-inject' succeeded"
+    found = wait_until(lambda: {p for p in list(kubelet.running) if line in kubelet.log(p)}, 10,
+                       f"the replica that injected {name} to log it")  # fmt: skip
+    return set(found)  # type: ignore[arg-type]
+
+
+def test_exactly_one_replica_reconciles_and_every_replica_injects(kubelet: LocalKubelet) -> None:
+    cp = kubelet.cp
+    apply(cp, pool("first"))
+    wait_until(lambda: ready_pool(cp, "first"), 60, "the pool to be Ready")
+    wait_until(lambda: reconciled_by(kubelet, "first"), 30, "a reconcile in some replica's log")
+    (leader,) = reconciled_by(kubelet, "first")
+    (standby,) = set(kubelet.running) - {leader}
+    resumed = "Resuming operations after the pause"  # kopf starts paused until its peering says it leads
+    assert resumed in kubelet.log(leader) and resumed not in kubelet.log(standby)
+    peers = get_json(cp, "clusterkopfpeering", PEERING)["status"]
+    assert set(peers) == set(kubelet.running) and len({p["priority"] for p in peers.values()}) == 2
+    served = set()
+    for i in range(4):
+        cp.network.reset()  # the API server's next call opens a new connection: the next pod in turn
+        served |= create_and_check_pod(kubelet, f"first-{i}", "first")
+    assert served == {leader, standby}  # both replicas answer the webhook, the standby too
+
+
+def test_the_standby_takes_over_when_the_leader_is_lost(kubelet: LocalKubelet) -> None:
+    cp = kubelet.cp
+    (leader,) = reconciled_by(kubelet, "first")
+    (standby,) = set(kubelet.running) - {leader}
+    kubelet.kill(leader)
+    # the webhook goes on at once: the other replica is ready and knows the pools
+    for i in range(3):
+        assert create_and_check_pod(kubelet, f"lost-{i}", "first") == {standby}
+    apply(cp, pool("second"))
+    wait_until(lambda: ready_pool(cp, "second"), LIFETIME + 60, "the former standby to reconcile a new pool")
+    assert reconciled_by(kubelet, "second") == [standby]
+    assert wait_until(lambda: available(cp) == 2, 120, "the lost replica replaced")
+
+
+def test_pods_are_injected_throughout_a_rolling_update(kubelet: LocalKubelet) -> None:
+    cp = kubelet.cp
+    before = {get_json(cp, "-n", NAMESPACE, "pods", name)["metadata"]["uid"] for name in kubelet.running}
+    helm(cp, "upgrade", RELEASE, str(REPO / "charts" / "kvpool"), "--namespace", NAMESPACE, "--reuse-values",
+         "--set", "operator.statsIntervalSeconds=2")  # fmt: skip
+    created = 0
+
+    def rolled_over() -> bool:
+        nonlocal created
+        create_and_check_pod(kubelet, f"rolling-{created}", "first")  # each pass: one more pod, injected
+        created += 1
+        uids = {p["metadata"]["uid"] for p in get_json(cp, "-n", NAMESPACE, "pods", "-l", SELECTOR)["items"]}
+        return available(cp) == 2 and not (uids & before)
+
+    wait_until(rolled_over, 180, "the rollout to replace both replicas")
+    assert created >= 2
+    apply(cp, pool("third"))
+    wait_until(lambda: ready_pool(cp, "third"), 60, "a new replica to reconcile after the rollout")
+    assert len(reconciled_by(kubelet, "third")) == 1
+
+
+def test_no_replica_was_refused_by_the_api_server(kubelet: LocalKubelet) -> None:
+    for name in kubelet.running:
+        log = kubelet.log(name)
+        assert not [line for line in log.splitlines() if " 403" in line or "forbidden" in line.lower()], name
