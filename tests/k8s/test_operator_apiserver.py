@@ -48,10 +48,11 @@ def operator(
     crd_installed: ControlPlane, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ControlPlane, LocalOperator]]:
     cp = crd_installed
+    # one replica, played by one local process (two replicas: test_ha_apiserver.py)
     helm(cp, "install", RELEASE, str(REPO / "charts" / "kvpool"), "--namespace", RELEASE_NAMESPACE,
          "--create-namespace", "--wait", "--timeout", "3m",
          "--set", "operator.statsIntervalSeconds=1", "--set", "operator.scaleCooldownSeconds=0",
-         "--set", "replicaCount=1")  # fmt: skip  (two replicas: test_ha_apiserver.py)
+         "--set", "replicaCount=1")  # fmt: skip
     (pod,) = wait_until(lambda: [p for p in operator_pods(cp) if running(p)], 60, "the operator's pod to run")
     op = start_operator_as(cp, pod, tmp_path_factory.mktemp("operator"))
     try:
