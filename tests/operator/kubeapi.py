@@ -29,7 +29,7 @@ import pytest
 from kvtest import wait_until
 
 from kvpool_operator.cli import build
-from kvpool_operator.pool import Pool
+from kvpool_operator.pool import Pool, parse_pool
 
 T = TypeVar("T")
 TEST_AGENT = "kvpool-tests"  # marks the tests' own requests, to tell them from the operator's
@@ -277,3 +277,23 @@ class Cluster:
     operator: OperatorThread
     memory: MemoryGauge
     webhook_url: str
+
+
+def wait_indexed(cluster: Cluster, namespace: str, timeout: float = 30) -> None:
+    """Until the webhook's pool index (a watch of its own, pool_index.py) has every usable pool of the
+    namespace: it may see a pool a moment after the operator has reconciled it."""
+    index = cluster.operator.op.memo.pool_index
+
+    def usable(item: dict[str, Any]) -> bool:
+        try:
+            parse_pool(namespace, item["metadata"]["name"], item.get("spec") or {})
+        except ValueError:
+            return False
+        return True
+
+    def caught_up() -> bool:
+        items = (cluster.api.get(pool_path(namespace)) or {}).get("items", [])
+        want = {i["metadata"]["name"] for i in items if usable(i)}
+        return want <= {p.name for p in index.in_namespace(namespace)}
+
+    wait_until(caught_up, timeout, f"the webhook's index to have the pools of {namespace}")

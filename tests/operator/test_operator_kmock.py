@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from kubeapi import Cluster, apps_path, core_path, pool_path, secret_value
+from kubeapi import Cluster, apps_path, core_path, pool_path, secret_value, wait_indexed
 from kvtest import free_port, wait_until
 from webhooks import admitted
 
@@ -84,6 +84,7 @@ def run_pod(
         "metadata": {"generateName": "vllm-", "labels": labels, **meta},
         "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai", "args": ["--model", "m"]}]},
     }
+    wait_indexed(cluster, namespace)
     pod, _ = admitted(cluster.webhook_url, pod, namespace)
     pod["metadata"].update(name=name, namespace=namespace)
     cluster.api.create(core_path(namespace, "pods"), pod)
@@ -430,6 +431,7 @@ def test_a_pool_the_schema_cannot_refuse_is_degraded_and_never_injected(cluster:
         "metadata": {"labels": {"app": "vllm"}},
         "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
     }
+    wait_indexed(cluster, ns)
     result, response = admitted(cluster.webhook_url, pod, ns)
     assert result == pod and "not usable" in response["warnings"][0]
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kubeapi import Cluster, pool_path
+from kubeapi import Cluster, pool_path, wait_indexed
 from kvtest import wait_until
 from webhooks import admitted, review
 
@@ -33,12 +33,12 @@ def make_pool(cluster: Cluster, name: str, spec: dict[str, Any], namespace: str 
             "spec": spec,
         },
     )
-    # reconciled means indexed too: the index handler runs before the pool's other handlers
     wait_until(
         lambda: (cluster.api.get(pool_path(namespace, name)) or {}).get("status", {}).get("connectorConfig"),
         30,
         f"pool {name} reconciled",
     )
+    wait_indexed(cluster, namespace)
 
 
 @pytest.fixture(scope="module")

@@ -71,10 +71,8 @@ def test_webhook_over_tls_injects_in_its_namespace(tls_operator: tuple[KubeAPI, 
     api.create(pool_path(NS), {"apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
                                "metadata": {"name": "p", "namespace": NS},
                                "spec": {"selector": {"matchLabels": {"app": "vllm"}}}})  # fmt: skip
-    wait_until(
-        lambda: (api.get(pool_path(NS, "p")) or {}).get("status", {}).get("connectorConfig"), 30, "reconciled"
-    )
-    response = review(url, pod, NS, tls=tls)
+    # the webhook's own index of the pools sees the new pool within moments: ask until it patches
+    response = wait_until(lambda: (r := review(url, pod, NS, tls=tls)).get("patch") and r, 30, "an injection")
     assert response["allowed"] is True and response["patchType"] == "JSONPatch"
     ops = json.loads(base64.b64decode(response["patch"]))
     assert any(op["path"] == "/spec/initContainers" for op in ops)
