@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -92,9 +93,13 @@ def spawn_operator_as(cp: ControlPlane, pod: dict[str, Any], workdir: Path) -> P
     return proc
 
 
+REFUSED = re.compile(r"forbidden|(?<![\d,])403[:,]", re.IGNORECASE)  # not a timestamp's ",403]" milliseconds
+
+
 def forbidden_calls(log: str) -> list[str]:
-    """Lines of an operator log that show the API server refusing it (RBAC)."""
-    return [line for line in log.splitlines() if "403" in line or "forbidden" in line.lower()]
+    """Lines of an operator log that show the API server refusing it (RBAC): its "forbidden" message, or
+    the status as our client ("403: GET ...") and aiohttp ("403, message=...") print it."""
+    return [line for line in log.splitlines() if REFUSED.search(line)]
 
 
 def pool_status(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:
