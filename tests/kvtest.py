@@ -158,6 +158,52 @@ def redis_server(port: int | None = None) -> Iterator[RedisServer]:
             server.stop()
 
 
+def redis_call(port: int, *args: str, password: str | None = None, host: str = "127.0.0.1") -> bytes:
+    """One command over a raw socket (no client library between the test and the server)."""
+    with socket.create_connection((host, port), timeout=2) as s:
+        if password:
+            s.sendall(_resp("AUTH", password))
+            s.recv(64)
+        s.sendall(_resp(*args))
+        return s.recv(65536)
+
+
+def _resp(*args: str) -> bytes:
+    out = f"*{len(args)}\r\n".encode()
+    for a in args:
+        b = a.encode()
+        out += b"$%d\r\n%s\r\n" % (len(b), b)
+    return out
+
+
+@contextlib.contextmanager
+def redis_with(
+    *extra: str, password: str | None = None, port: int | None = None, host: str = "127.0.0.1"
+) -> Iterator[tuple[int, Proc]]:
+    """A real redis-server with extra arguments (a password, cluster mode), on `host` (a loopback address)."""
+    binary = shutil.which("redis-server")
+    need(binary is not None, "redis-server")
+    port = port or free_port()
+    with tempfile.TemporaryDirectory(prefix="kvpool-redis-") as d:
+        argv = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+                "--dir", d, "--protected-mode", "no", *extra]  # fmt: skip
+        if password:
+            argv += ["--requirepass", password]
+        proc = spawn(argv, Path(d) / "redis.log")
+        try:
+            try:
+                wait_until(
+                    lambda: b"PONG" in redis_call(port, "PING", password=password, host=host),
+                    15,
+                    "redis-server",
+                )
+            except TimeoutError:
+                raise RuntimeError(f"redis-server did not start:\n{proc.output()}") from None
+            yield port, proc
+        finally:
+            proc.stop()
+
+
 # --- kvpool-sidecar -------------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ of its ready pods, as kube-proxy would.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import socket
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtest import REPO, Proc, free_port, spawn, wait_until
+from kvtest import REPO, Proc, free_port, http_ok, spawn, wait_until
 
 BIN = REPO / ".tools" / "k8s" / "bin"
 STAGES = REPO / ".tools" / "k8s" / "stages"
@@ -144,7 +145,7 @@ class ControlPlane:
                            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                            "--initial-cluster", f"kvpool-test=http://127.0.0.1:{peer}",
                            "--unsafe-no-fsync", "--log-level", "warn"])  # fmt: skip
-        self._wait("etcd", lambda: _http_ok(self.etcd_url + "/readyz"))
+        self._wait("etcd", lambda: http_ok(self.etcd_url + "/readyz", timeout=2))
 
     def _apiserver(self) -> None:
         self.apiserver_port = free_port()
@@ -240,7 +241,9 @@ class ControlPlane:
         path.write_text(json.dumps(config))
         return path
 
+    @functools.cached_property
     def ssl_context(self) -> ssl.SSLContext:
+        """The admin's TLS context, made once (the service network asks for it on every connection)."""
         ctx = ssl.create_default_context(cafile=self.pki.path("ca.crt"))
         ctx.load_cert_chain(self.pki.path("admin.crt"), self.pki.path("admin.key"))
         return ctx
@@ -248,7 +251,7 @@ class ControlPlane:
     def get(self, path: str, raw: bool = False) -> Any:
         """GET as the admin; None on any error (for polling)."""
         try:
-            with urllib.request.urlopen(self.server + path, context=self.ssl_context(), timeout=5) as r:
+            with urllib.request.urlopen(self.server + path, context=self.ssl_context, timeout=5) as r:
                 body = r.read().decode()
         except OSError:
             return None
@@ -292,14 +295,6 @@ def crd_established(cp: ControlPlane, name: str = "kvcachepools.kvpool.dev") -> 
 
 def kubectl_binary() -> Path:
     return REPO / ".tools" / "bin" / "kubectl"
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def port_open(host: str, port: int) -> bool:

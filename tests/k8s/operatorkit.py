@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controlplane import ControlPlane, get_json, port_open
+from controlplane import ControlPlane, condition, get_json, port_open
 from kvtest import REPO, Proc, spawn, wait_until
 
 CHART = REPO / "charts" / "kvpool"
@@ -100,6 +100,31 @@ def forbidden_calls(log: str) -> list[str]:
     """Lines of an operator log that show the API server refusing it (RBAC): its "forbidden" message, or
     the status as our client ("403: GET ...") and aiohttp ("403, message=...") print it."""
     return [line for line in log.splitlines() if REFUSED.search(line)]
+
+
+def namespace(cp: ControlPlane, name: str, labels: dict[str, str] | None = None) -> str:
+    apply(cp, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}})
+    return name
+
+
+def restricted_pod_spec(**vllm: Any) -> dict[str, Any]:
+    """A pod spec with one container `vllm` that Pod Security `restricted` admits (as a careful platform
+    team writes it); `vllm` adds to or overrides the container's fields."""
+    return {
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{
+            "name": "vllm", "image": "vllm/vllm-openai:v0.32.0",
+            "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+            **vllm,
+        }],
+    }  # fmt: skip
+
+
+def pool_ready(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any] | None:
+    """The pool, once the operator has reconciled it (Ready, its connector config published)."""
+    pool = get_json(cp, "-n", namespace, "kvp", name)
+    return pool if condition(pool, "Ready") == "True" and pool["status"].get("connectorConfig") else None
 
 
 def pool_status(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any]:

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from controlplane import ControlPlane, condition, get_json
+from controlplane import ControlPlane, get_json
 from kubelet import CUSTOM_STATUS, LocalKubelet
 from kvtest import REPO, wait_until
-from operatorkit import apply, helm
+from operatorkit import apply, forbidden_calls, helm, namespace, pool_ready, restricted_pod_spec
 from podchecks import untouched
 
 RELEASE, NAMESPACE, PEERING = "ha", "kvpool-ha", "kvpool-ha"
@@ -38,8 +38,7 @@ def kubelet(crd_installed: ControlPlane, tmp_path_factory: pytest.TempPathFactor
     node = LocalKubelet(cp, NAMESPACE, SELECTOR, tmp_path_factory.mktemp("ha")).start()
     try:
         wait_until(lambda: available(cp) == 2, 120, "two operator replicas ready (their pool index built)")
-        apply(cp, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": WORKLOAD, "labels": {
-            "pod-security.kubernetes.io/enforce": "restricted"}}})  # fmt: skip
+        namespace(cp, WORKLOAD, {"pod-security.kubernetes.io/enforce": "restricted"})
         yield node
         cp.kubectl("delete", "kvp", "--all", "-n", WORKLOAD, "--wait=true", "--timeout=60s")
     finally:
@@ -68,14 +67,8 @@ def pod(name: str, pool_name: str) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": WORKLOAD, "labels": {"pool": pool_name}},
-        "spec": {
-            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
-                                "seccompProfile": {"type": "RuntimeDefault"}},
-            "containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0", "args": ["/models/llama"],
-                            "securityContext": {"allowPrivilegeEscalation": False,
-                                                "capabilities": {"drop": ["ALL"]}}}],
-        },
-    }  # fmt: skip
+        "spec": restricted_pod_spec(args=["/models/llama"]),
+    }
 
 
 def reconciled_by(node: LocalKubelet, name: str) -> list[str]:
@@ -96,11 +89,6 @@ def acting(node: LocalKubelet) -> list[str]:
     return out
 
 
-def ready_pool(cp: ControlPlane, name: str) -> bool:
-    obj = get_json(cp, "-n", WORKLOAD, "kvp", name)
-    return condition(obj, "Ready") == "True" and bool(obj["status"].get("connectorConfig"))
-
-
 def create_and_check_pod(kubelet: LocalKubelet, name: str, pool_name: str) -> set[str]:
     """Creates a pod through the API server (and so the webhook); returns the replicas that answered
     (two when the webhook's reinvocation went to another replica)."""
@@ -119,7 +107,7 @@ def test_exactly_one_replica_reconciles_and_every_replica_injects(kubelet: Local
     (leader,) = wait_until(lambda: len(a := acting(kubelet)) == 1 and a, 60, "the peering to settle on one")
     (standby,) = set(kubelet.running) - {leader}
     apply(cp, pool("first"))
-    wait_until(lambda: ready_pool(cp, "first"), 60, "the pool to be Ready")
+    wait_until(lambda: pool_ready(cp, WORKLOAD, "first"), 60, "the pool to be Ready")
     wait_until(lambda: reconciled_by(kubelet, "first"), 30, "a reconcile in some replica's log")
     assert reconciled_by(kubelet, "first") == [leader]
     peers = get_json(cp, "clusterkopfpeering", PEERING)["status"]
@@ -140,7 +128,11 @@ def test_the_standby_takes_over_when_the_leader_is_lost(kubelet: LocalKubelet) -
     for i in range(3):
         assert create_and_check_pod(kubelet, f"lost-{i}", "first") == {standby}
     apply(cp, pool("second"))
-    wait_until(lambda: ready_pool(cp, "second"), LIFETIME + 60, "the former standby to reconcile a new pool")
+    wait_until(
+        lambda: pool_ready(cp, WORKLOAD, "second"),
+        LIFETIME + 60,
+        "the former standby to reconcile a new pool",
+    )
     assert reconciled_by(kubelet, "second") == [standby]
     assert wait_until(lambda: available(cp) == 2, 120, "the lost replica replaced")
 
@@ -163,11 +155,10 @@ def test_pods_are_injected_throughout_a_rolling_update(kubelet: LocalKubelet) ->
     assert created >= 2
     wait_until(lambda: len(acting(kubelet)) == 1, 60, "one new replica to lead")
     apply(cp, pool("third"))
-    wait_until(lambda: ready_pool(cp, "third"), 60, "a new replica to reconcile after the rollout")
+    wait_until(lambda: pool_ready(cp, WORKLOAD, "third"), 60, "a new replica to reconcile after the rollout")
     assert len(reconciled_by(kubelet, "third")) == 1
 
 
 def test_no_replica_was_refused_by_the_api_server(kubelet: LocalKubelet) -> None:
     for name in kubelet.running:
-        log = kubelet.log(name)
-        assert not [line for line in log.splitlines() if " 403" in line or "forbidden" in line.lower()], name
+        assert forbidden_calls(kubelet.log(name)) == [], name

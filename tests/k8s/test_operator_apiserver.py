@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-import shutil
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import pytest
 import redis as redis_py
 from controlplane import ControlPlane, condition, get_json
-from kvtest import REPO, Proc, spawn, start_sidecar, wait_until
+from kvtest import REPO, Proc, redis_with, start_sidecar, wait_until
 from operatorkit import (
     RELEASE,
     RELEASE_NAMESPACE,
@@ -30,8 +29,11 @@ from operatorkit import (
     apply,
     forbidden_calls,
     helm,
+    namespace,
     operator_pods,
+    pool_ready,
     pool_status,
+    restricted_pod_spec,
     running,
     start_operator_as,
 )
@@ -72,12 +74,6 @@ def operator(
         )
 
 
-def namespace(cp: ControlPlane, name: str, labels: dict[str, str] | None = None) -> str:
-    doc = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}}
-    apply(cp, doc)
-    return name
-
-
 def cpu_pool(ns: str, name: str = "llama", **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": "kvpool.dev/v1alpha1",
@@ -94,7 +90,11 @@ def cpu_pool(ns: str, name: str = "llama", **spec: Any) -> dict[str, Any]:
 
 
 def restricted_deployment(ns: str, replicas: int = 2, name: str = "vllm") -> dict[str, Any]:
-    """A vLLM Deployment that Pod Security `restricted` admits (as a careful platform team writes it)."""
+    """A vLLM Deployment that Pod Security `restricted` admits."""
+    resources = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
+    spec = restricted_pod_spec(
+        command=["vllm", "serve"], args=["/models/llama", "--port", "8000"], resources=resources
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -102,32 +102,7 @@ def restricted_deployment(ns: str, replicas: int = 2, name: str = "vllm") -> dic
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": {"app": "vllm"}},
-            "template": {
-                "metadata": {"labels": {"app": "vllm"}},
-                "spec": {
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": 1000,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [
-                        {
-                            "name": "vllm",
-                            "image": "vllm/vllm-openai:v0.32.0",
-                            "command": ["vllm", "serve"],
-                            "args": ["/models/llama", "--port", "8000"],
-                            "securityContext": {
-                                "allowPrivilegeEscalation": False,
-                                "capabilities": {"drop": ["ALL"]},
-                            },
-                            "resources": {
-                                "requests": {"cpu": "1", "memory": "4Gi"},
-                                "limits": {"memory": "8Gi"},
-                            },
-                        }
-                    ],
-                },
-            },
+            "template": {"metadata": {"labels": {"app": "vllm"}}, "spec": spec},
         },
     }
 
@@ -142,11 +117,6 @@ def pods_of(cp: ControlPlane, ns: str, selector: str = "app=vllm") -> list[dict[
 def all_ready(pods: list[dict[str, Any]], n: int) -> list[dict[str, Any]] | None:
     ready = [p for p in pods if running(p) and condition(p, "Ready") == "True"]
     return ready if len(ready) == n else None
-
-
-def pool_ready(cp: ControlPlane, ns: str, name: str) -> dict[str, Any] | None:
-    pool = get_json(cp, "-n", ns, "kvp", name)
-    return pool if condition(pool, "Ready") == "True" and pool["status"].get("connectorConfig") else None
 
 
 # --- RBAC ------------------------------------------------------------------------------------------
@@ -268,7 +238,7 @@ def test_a_changed_pool_marks_running_pods_outdated_with_an_event(operator: tupl
 # --- the shared Redis tier -------------------------------------------------------------------------
 
 
-def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple, tmp_path: Path) -> None:
+def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple) -> None:
     cp, _ = operator
     ns = namespace(cp, "shared-tier")
     tier = "cache-kvpool-redis"
@@ -286,16 +256,15 @@ def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple, tmp
         0
     ]
     password = _secret_password(cp, ns, tier)
-    server, client = _redis_on(shard["status"]["podIP"], password, tmp_path)
-    try:
+    ip = shard["status"]["podIP"]
+    # the real redis-server as the shard pod: on its address and port, with its password and maxmemory
+    maxmemory = ("--maxmemory", str(int(32 * 2**20 * 0.9)), "--maxmemory-policy", "allkeys-lru")
+    with redis_with(*maxmemory, password=password, port=REDIS_PORT, host=ip):
         shared = lambda: pool_status(cp, ns, "cache").get("sharedTier") or {}  # noqa: E731
         wait_until(lambda: shared().get("readyReplicas") == 1, 60, "the shard counted ready")
-        _fill(client, 24 * 2**20)  # 24 of 28.8 MiB maxmemory: ~83% against a 50% target
+        _fill(ip, password, 24 * 2**20)  # 24 of 28.8 MiB maxmemory: ~83% against a 50% target
         wait_until(lambda: get_json(cp, "-n", ns, "statefulset", tier)["spec"]["replicas"] == 2, 60,
                    "the operator to scale the tier to two shards")  # fmt: skip
-    finally:
-        client.close()
-        server.stop()
     cp.kubectl("-n", ns, "delete", "kvp", "cache", "--wait=true", "--timeout=60s")
 
     def collected() -> bool:  # by the controller manager's garbage collector, from the ownerReferences
@@ -310,20 +279,12 @@ def _secret_password(cp: ControlPlane, ns: str, name: str) -> str:
     return base64.b64decode(get_json(cp, "-n", ns, "secret", name)["data"]["password"]).decode()
 
 
-def _redis_on(ip: str, password: str, workdir: Path) -> tuple[Proc, redis_py.Redis]:
-    """The real redis-server as the shard pod: on its address and port, with its password and maxmemory."""
-    argv = [shutil.which("redis-server") or "redis-server", "--bind", ip, "--port", str(REDIS_PORT),
-            "--save", "", "--appendonly", "no", "--dir", str(workdir), "--requirepass", password,
-            "--maxmemory", str(int(32 * 2**20 * 0.9)), "--maxmemory-policy", "allkeys-lru"]  # fmt: skip
-    proc = spawn(argv, workdir / "redis.log")
-    client = redis_py.Redis(host=ip, port=REDIS_PORT, password=password, socket_timeout=5)
-    wait_until(client.ping, 15, "redis-server on the shard's address")
-    return proc, client
-
-
-def _fill(client: redis_py.Redis, nbytes: int) -> None:
+def _fill(ip: str, password: str, nbytes: int) -> None:
     value = secrets.token_bytes(64 * 1024)
-    with client.pipeline(transaction=False) as pipe:
+    with (
+        redis_py.Redis(host=ip, port=REDIS_PORT, password=password) as client,
+        client.pipeline(transaction=False) as pipe,
+    ):
         for i in range(nbytes // len(value)):
             pipe.set(f"fill:{i}", value)
         pipe.execute()

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kvtest import free_port, wait_until
-from sidecar_support import redis_call, redis_with
+from kvtest import free_port, redis_call, redis_with, wait_until
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import json
 import signal
 import urllib.request
 
-from kvtest import RedisServer, wait_until
-from sidecar_support import key, load, payload, redis_call, redis_stats, redis_with, save
+from kvtest import RedisServer, redis_call, redis_with, wait_until
+from sidecar_support import key, load, payload, redis_stats, save
 
 from kvpool_sidecar.client import SidecarClient
 
