@@ -8,7 +8,7 @@
 #   kwok                                                     (module sigs.k8s.io/kwok)
 # and kwok's "fast" Stage configs (node + pod lifecycle), then installs them into
 #   <repo>/.tools/k8s/bin/      the five binaries (hard links, or copies)
-#   <repo>/.tools/k8s/stages/   kwok-fast.yaml (all fast stages, for `kwok --config`) + single files
+#   <repo>/.tools/k8s/stages/   kwok-fast.yaml (all fast stages, for `kwok --config`)
 #   <repo>/.tools/k8s/VERSIONS  the pins
 #
 # Build results are cached outside the work tree in
@@ -137,14 +137,11 @@ copy_kwok_stages() {
     dir=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | json_field Dir)
     [[ -d $dir/kustomize/stage ]] || die "kwok module dir has no kustomize/stage: '$dir'"
     mkdir -p "$out"
-    # Same set as kwok's kustomize/stage/fast: node initialize + heartbeat (with lease) + pod fast.
-    # node-heartbeat.yaml (no lease) is copied too, but is not part of kwok-fast.yaml.
+    # One file, the set of kwok's kustomize/stage/fast: node initialize + heartbeat (with lease) + pod fast.
     : >"$out/kwok-fast.yaml"
-    for s in node/fast node/heartbeat-with-lease node/heartbeat pod/fast; do
+    for s in node/fast node/heartbeat-with-lease pod/fast; do
         for f in "$dir/kustomize/stage/$s"/*.yaml; do
             [[ $(basename "$f") == kustomization.yaml ]] && continue
-            install -m 0644 "$f" "$out/"
-            [[ $s == node/heartbeat ]] && continue
             { [[ -s $out/kwok-fast.yaml ]] && echo '---'; cat "$f"; } >>"$out/kwok-fast.yaml"
         done
     done

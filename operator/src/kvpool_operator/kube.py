@@ -177,8 +177,7 @@ class Kube:
         session, info = await self._connect(None)
         params = {"watch": "true", "resourceVersion": resource_version, "timeoutSeconds": str(timeout),
                   "allowWatchBookmarks": "true"}  # fmt: skip
-        url = info.server.rstrip("/") + self._path(kind, namespace)
-        headers = {"Accept": "application/json", **info.as_http_headers()}
+        url, headers = self._target(info, self._path(kind, namespace))
         limits = aiohttp.ClientTimeout(total=None, connect=self._timeout.total, sock_read=timeout + 30)
         async with session.get(url, params=params, headers=headers, timeout=limits) as rsp:
             if rsp.status >= 400:
@@ -224,6 +223,11 @@ class Kube:
         path = f"/{k.prefix}/namespaces/{namespace}/{k.plural}" if namespace else f"/{k.prefix}/{k.plural}"
         return f"{path}/{name}" if name else path
 
+    @staticmethod
+    def _target(info: kopf.ConnectionInfo, path: str) -> tuple[str, dict[str, str]]:
+        """The URL of `path` on the API server, and the headers that authenticate a JSON request."""
+        return info.server.rstrip("/") + path, {"Accept": "application/json", **info.as_http_headers()}
+
     async def _request(
         self,
         method: str,
@@ -236,12 +240,10 @@ class Kube:
         stale: aiohttp.ClientSession | None = None
         for attempt in (1, 2):
             session, info = await self._connect(stale)
-            headers = {"Accept": "application/json", **info.as_http_headers()}
+            url, headers = self._target(info, path)
             if body is not None:
                 headers["Content-Type"] = content_type
-            async with session.request(
-                method, info.server.rstrip("/") + path, json=body, params=params, headers=headers
-            ) as rsp:
+            async with session.request(method, url, json=body, params=params, headers=headers) as rsp:
                 if rsp.status == 401 and attempt == 1:
                     stale = session  # a rotated service-account token: log in again once
                     continue

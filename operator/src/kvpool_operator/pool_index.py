@@ -22,12 +22,12 @@ log = logging.getLogger("kvpool.index")
 
 class PoolIndex:
     def __init__(self) -> None:
-        self._pools: dict[tuple[str, str], Pool] = {}
+        self._pools: dict[str, dict[str, Pool]] = {}  # namespace -> name -> pool
         self._listed: set[str | None] = set()
         self.ready = asyncio.Event()
 
     def in_namespace(self, namespace: str) -> list[Pool]:
-        return [pool for (ns, _), pool in self._pools.items() if ns == namespace]
+        return list(self._pools.get(namespace, {}).values())
 
     async def run(self, kube: Kube, namespaces: Iterable[str]) -> None:
         """Follows the pools of `namespaces` (all namespaces when empty) until cancelled."""
@@ -55,21 +55,24 @@ class PoolIndex:
                 await asyncio.sleep(RETRY_DELAY)
 
     def _replace(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
-        for key in [k for k in self._pools if namespace is None or k[0] == namespace]:
-            del self._pools[key]
+        if namespace is None:
+            self._pools.clear()
+        else:
+            self._pools.pop(namespace, None)
         for item in items:
             self._apply("ADDED", item)
 
     def _apply(self, kind: str, obj: dict[str, Any]) -> None:
         meta = obj.get("metadata") or {}
-        key = (meta.get("namespace", ""), meta.get("name", ""))
+        namespace, name = meta.get("namespace", ""), meta.get("name", "")
+        pools = self._pools.setdefault(namespace, {})
         if kind == "DELETED":
-            self._pools.pop(key, None)
+            pools.pop(name, None)
             return
         if kind not in ("ADDED", "MODIFIED"):
             return  # BOOKMARK
         try:
-            self._pools[key] = parse_pool(key[0], key[1], obj.get("spec") or {}, meta.get("uid"))
+            pools[name] = parse_pool(namespace, name, obj.get("spec") or {}, meta.get("uid"))
         except ValueError as e:
-            self._pools.pop(key, None)
-            log.warning("pool %s/%s not usable: %s", key[0], key[1], e)
+            pools.pop(name, None)
+            log.warning("pool %s/%s not usable: %s", namespace, name, e)
