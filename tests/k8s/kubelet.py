@@ -27,6 +27,7 @@ class LocalKubelet:
     def __init__(self, cp: ControlPlane, namespace: str, selector: str, workdir: Path) -> None:
         self.cp, self.namespace, self.selector, self.workdir = cp, namespace, selector, workdir
         self.running: dict[str, tuple[str, Proc]] = {}  # pod name -> (its IP, its process)
+        self.ever: dict[str, Proc] = {}  # every pod's process, gone ones too: their logs stay readable
         self.ready: dict[str, bool] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -53,7 +54,7 @@ class LocalKubelet:
         )
 
     def log(self, pod: str) -> str:
-        return self.running[pod][1].output()
+        return self.ever[pod].output()
 
     # --- one pass every 0.2 s --------------------------------------------------------------------
 
@@ -84,6 +85,7 @@ class LocalKubelet:
                                         "hostIP": "127.88.255.254"}, ready=False)  # fmt: skip
                     pod["status"]["podIP"] = ip
                     self.running[name] = (ip, spawn_operator_as(self.cp, pod, self.workdir))
+                    self.ever[name] = self.running[name][1]
                     self.ready[name] = False
             ready = self._probe(pod, self.running[name][0])
             if ready != self.ready.get(name):

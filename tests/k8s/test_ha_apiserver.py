@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,7 +97,7 @@ def create_and_check_pod(kubelet: LocalKubelet, name: str, pool_name: str) -> se
     created = json.loads(kubelet.cp.kubectl("create", "-o", "json", "-f", "-", stdin=manifest))
     assert not untouched(created), f"{name} was admitted without its cache"
     line = f"[{WORKLOAD}/{name}] Webhook 'kvpool-inject' succeeded"
-    found = wait_until(lambda: {p for p in list(kubelet.running) if line in kubelet.log(p)}, 10,
+    found = wait_until(lambda: {p for p in list(kubelet.ever) if line in kubelet.log(p)}, 10,
                        f"the replica that injected {name} to log it")  # fmt: skip
     return set(found)  # type: ignore[arg-type]
 
@@ -145,13 +146,14 @@ def test_pods_are_injected_throughout_a_rolling_update(kubelet: LocalKubelet) ->
     created = 0
 
     def rolled_over() -> bool:
-        nonlocal created
-        create_and_check_pod(kubelet, f"rolling-{created}", "first")  # each pass: one more pod, injected
-        created += 1
         uids = {p["metadata"]["uid"] for p in get_json(cp, "-n", NAMESPACE, "pods", "-l", SELECTOR)["items"]}
         return available(cp) == 2 and not (uids & before)
 
-    wait_until(rolled_over, 180, "the rollout to replace both replicas")
+    deadline = time.monotonic() + 180
+    while not rolled_over():  # each pass: one more pod, which must be injected (not a check to retry)
+        assert time.monotonic() < deadline, "the rollout did not replace both replicas in 180 s"
+        create_and_check_pod(kubelet, f"rolling-{created}", "first")
+        created += 1
     assert created >= 2
     wait_until(lambda: len(acting(kubelet)) == 1, 60, "one new replica to lead")
     apply(cp, pool("third"))
@@ -160,5 +162,5 @@ def test_pods_are_injected_throughout_a_rolling_update(kubelet: LocalKubelet) ->
 
 
 def test_no_replica_was_refused_by_the_api_server(kubelet: LocalKubelet) -> None:
-    for name in kubelet.running:
+    for name in kubelet.ever:  # the replaced replicas too
         assert forbidden_calls(kubelet.log(name)) == [], name
