@@ -17,6 +17,7 @@ from typing import Any
 from kvtest import wait_until
 
 from kvpool_connector.keys import Namespace, chunk_keys
+from kvpool_connector.model_identity import weights_fingerprint
 from kvpool_connector.tinymodel import TINY
 
 BLOCK = 32
@@ -38,6 +39,7 @@ def tiny_namespace(model: Path) -> Namespace:
         BLOCK,
         CHUNK,
         1,
+        weights=f"files:{weights_fingerprint(model)}",
     )
 
 

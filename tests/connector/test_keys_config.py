@@ -38,9 +38,46 @@ def test_namespace_separates_everything_that_changes_bytes() -> None:
         ("block_size", 16),
         ("chunk_size", 128),
         ("tp_size", 2),
+        ("pp_size", 2),
+        ("dcp_size", 2),
+        ("pcp_size", 2),
+        ("kv_cache_dtype", "fp8_e4m3"),
+        ("quantization", "fp8"),
+        ("weights", "files:0123"),
+        ("overrides", '{"rope_theta":5000.0}'),
     ]:
         assert chunk_keys(dataclasses.replace(NS, **{field: value}), tokens)[0] != base[0], field
-    assert chunk_keys(NS, tokens, tp_rank=1)[0] != base[0]
+    assert chunk_keys(NS, tokens, rank=1)[0] != base[0]
+
+
+def test_every_namespace_field_enters_the_seed() -> None:
+    checked = {"model", "dtype", "layout", "num_layers", "num_kv_heads", "head_size", "block_size"}
+    checked |= {"chunk_size", "tp_size", "pp_size", "dcp_size", "pcp_size", "kv_cache_dtype"}
+    checked |= {"quantization", "weights", "overrides"}
+    assert {f.name for f in dataclasses.fields(Namespace)} == checked  # a new field needs a case above
+
+
+def test_extra_inputs_change_keys_from_their_chunk_on_and_only_there() -> None:
+    tokens = list(range(64 * 3))
+    plain = chunk_keys(NS, tokens)
+    salted = chunk_keys(NS, tokens, extras=lambda start, end: b"salt" if start == 0 else None)
+    assert all(a != b for a, b in zip(plain, salted, strict=True))  # the chain carries it on
+    image = chunk_keys(NS, tokens, extras=lambda start, end: b"img" if start == 64 else None)
+    assert image[0] == plain[0] and image[1] != plain[1] and image[2] != plain[2]
+    assert chunk_keys(NS, tokens, extras=lambda start, end: None) == plain  # no extras: plain keys
+    other = chunk_keys(NS, tokens, extras=lambda start, end: b"img2" if start == 64 else None)
+    assert other[1] != image[1]
+
+
+def test_extra_key_encoding_is_canonical_and_refuses_what_it_cannot_encode() -> None:
+    from kvpool_connector.request_inputs import Unkeyable, encode_extra
+
+    a = (("lora", "ad", "/p"), ("mm", "h1", 3), ("cache_salt", "t"), ("prompt_embeds", b"\x01"))
+    assert encode_extra(a) == encode_extra(a)
+    distinct = [("a", "bc"), ("ab", "c"), ("1",), (1,), (b"1",), (True,), (None,), (("a",),), ("a",)]
+    assert len({encode_extra(v) for v in distinct}) == len(distinct)
+    with pytest.raises(Unkeyable, match="float"):
+        encode_extra((("mm", 1.5, 0),))
 
 
 def test_incremental_chain_equals_full_chain() -> None:

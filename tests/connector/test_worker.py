@@ -32,7 +32,7 @@ def _ops(blocks: list[list[int]]) -> list[ChunkOp]:
 def _two_workers(url: str, seed: int) -> tuple[KVPoolWorker, KVPoolWorker, Layers, Layers]:
     """A worker whose cache holds random KV, and one whose cache is zeros, on the same sidecar."""
     cfg = KVPoolConfig(sidecar_url=url, chunk_size=64)
-    src, dst = KVPoolWorker(cfg, tp_rank=0), KVPoolWorker(cfg, tp_rank=0)
+    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = _layers(seed), _layers(None)
     src.register_kv_caches(src_layers)
     dst.register_kv_caches(dst_layers)
@@ -74,7 +74,7 @@ def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) 
 def test_other_rank_sees_nothing_and_dead_sidecar_is_errors_not_exceptions(sidecar_factory) -> None:
     proc = sidecar_factory("16Mi")
     cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64, timeout_ms=300)
-    w0, w1 = KVPoolWorker(cfg, tp_rank=0), KVPoolWorker(cfg, tp_rank=1)
+    w0, w1 = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=1)
     w0.register_kv_caches(_layers(2))
     w1.register_kv_caches(_layers(None))
     ops = _ops([[0, 1]])

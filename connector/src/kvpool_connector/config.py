@@ -22,6 +22,7 @@ class KVPoolConfig:
     discard_partial_chunks: bool = False
     timeout_ms: int = 1000
     pool: str | None = None
+    model_fingerprint: str | None = None  # names the weights instead of reading them (see model_identity)
 
 
 # key -> (accepted types, check on the value or None, what a valid value is)
@@ -36,6 +37,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "discard_partial_chunks": ((bool,), None, "true or false"),
     "timeout_ms": (_INT, lambda v: v > 0, "a positive integer"),
     "pool": ((str, type(None)), None, "a string or null"),
+    "model_fingerprint": ((str, type(None)), lambda v: v is None or bool(v), "a non-empty string or null"),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(KVPoolConfig)}
 

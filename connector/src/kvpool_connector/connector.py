@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .common import KVPoolMetadata
 from .config import load_config
 from .metrics import KVPoolStats, build_stats
-from .namespace import engine_namespace, layer_names
+from .namespace import engine_namespace, layer_names, stored_group
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
 
@@ -31,12 +31,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _tp_rank() -> int:
+def _worker_rank(tp_size: int) -> int:
+    """This worker's place in the engine: pipeline stage * TP size + TP rank (its keys' rank)."""
     try:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        return get_tensor_model_parallel_rank()
-    except (AssertionError, ImportError):  # no TP group (single process tests)
+        return get_pp_group().rank_in_group * tp_size + get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError):  # no parallel groups (single process tests)
         return 0
 
 
@@ -49,15 +50,20 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.cfg, warnings = load_config(extra)
         for w in warnings:
             log.warning(w)
-        namespace = engine_namespace(vllm_config, kv_cache_config, self.cfg.chunk_size)
+        stored_group(kv_cache_config, self.cfg.chunk_size)
         self._layer_names = layer_names(kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
         self.scheduler: KVPoolScheduler | None = None
         self.worker: KVPoolWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            namespace = engine_namespace(
+                vllm_config, kv_cache_config, self.cfg.chunk_size, self.cfg.model_fingerprint
+            )
             self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size)
         else:
-            self.worker = KVPoolWorker(self.cfg, _tp_rank())
+            self.worker = KVPoolWorker(
+                self.cfg, _worker_rank(vllm_config.parallel_config.tensor_parallel_size)
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -1,9 +1,12 @@
 """Chunk keys: a chained cryptographic hash over token chunks inside a namespace.
 
 Chunk i of a token sequence has key H(key[i-1] || tokens of chunk i). The chain starts from a
-digest of everything that changes the stored bytes except the tensor-parallel rank (model, dtype,
-layout, geometry, chunk size, TP size); each rank's key is H(chain link || rank), so the scheduler
-computes the chain once and every worker derives its own keys from it without the tokens.
+digest of everything that changes the stored bytes except the worker's rank (model identity, dtype,
+layout, geometry, chunk size, parallel sizes); each rank's key is H(chain link || rank), so the
+scheduler computes the chain once and every worker derives its own keys from it without the tokens.
+What else a request's KV depends on (a LoRA adapter, multimodal inputs, a cache salt, prompt
+embeds: see request_inputs.py) enters as a chunk's extra bytes, folded into the link before the
+chunk's tokens under a separate hash personalization, so a request without any keeps plain keys.
 One module serves the scheduler, the worker and tools.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 _DIGEST = 16  # bytes; keys are 32 lowercase hex characters
@@ -23,6 +26,17 @@ def _h(*parts: bytes) -> bytes:
     for p in parts:
         h.update(p)
     return h.digest()
+
+
+def _fold_extra(prev: bytes, extra: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST, person=b"kvpool-extra")
+    h.update(prev)
+    h.update(extra)
+    return h.digest()
+
+
+# (chunk start, chunk end) in tokens -> the chunk's extra key bytes, or None when it has none
+Extras = Callable[[int, int], bytes | None]
 
 
 @dataclass(frozen=True)
@@ -38,10 +52,17 @@ class Namespace:
     block_size: int
     chunk_size: int
     tp_size: int = 1
+    pp_size: int = 1
+    dcp_size: int = 1
+    pcp_size: int = 1
+    kv_cache_dtype: str = "auto"
+    quantization: str = ""
+    weights: str = ""  # the model's identity beyond its path: see model_identity.py
+    overrides: str = ""  # the config overrides the engine applied (hf_overrides), canonical JSON
 
     def seed(self) -> bytes:
         fields = (
-            "kvpool-v1",
+            "kvpool-v2",
             self.model,
             self.dtype,
             self.layout,
@@ -51,6 +72,13 @@ class Namespace:
             self.block_size,
             self.chunk_size,
             self.tp_size,
+            self.pp_size,
+            self.dcp_size,
+            self.pcp_size,
+            self.kv_cache_dtype,
+            self.quantization,
+            self.weights,
+            self.overrides,
         )
         return _h("\x1f".join(map(str, fields)).encode())
 
@@ -63,24 +91,36 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def chain(
-    seed: bytes, tokens: Sequence[int], chunk_size: int, start: bytes | None = None, first_chunk: int = 0
+    seed: bytes,
+    tokens: Sequence[int],
+    chunk_size: int,
+    start: bytes | None = None,
+    first_chunk: int = 0,
+    extras: Extras | None = None,
 ) -> list[bytes]:
     """The chain links of the full and trailing chunks of `tokens`, starting at chunk `first_chunk`
     whose predecessor link is `start` (the seed for chunk 0). The last link covers a partial chunk
-    when len(tokens) is not a multiple of chunk_size."""
+    when len(tokens) is not a multiple of chunk_size. `extras` gives each chunk's extra key bytes."""
     prev = seed if start is None else start
     links: list[bytes] = []
     for i in range(first_chunk * chunk_size, len(tokens), chunk_size):
-        prev = _h(prev, _token_bytes(tokens[i : i + chunk_size]))
+        end = min(i + chunk_size, len(tokens))
+        if extras is not None and (extra := extras(i, end)):
+            prev = _fold_extra(prev, extra)
+        prev = _h(prev, _token_bytes(tokens[i:end]))
         links.append(prev)
     return links
 
 
-def rank_key(link: bytes, tp_rank: int) -> str:
-    """The sidecar key of one chunk for one tensor-parallel rank (lowercase hex, 32 chars)."""
-    return _h(link, b"rank", tp_rank.to_bytes(4, "little")).hex()
+def rank_key(link: bytes, rank: int) -> str:
+    """The sidecar key of one chunk for one worker (lowercase hex, 32 chars). `rank` numbers the
+    workers of one engine: pipeline stage * TP size + tensor-parallel rank."""
+    return _h(link, b"rank", rank.to_bytes(4, "little")).hex()
 
 
-def chunk_keys(namespace: Namespace, tokens: Sequence[int], tp_rank: int = 0) -> list[str]:
+def chunk_keys(
+    namespace: Namespace, tokens: Sequence[int], rank: int = 0, extras: Extras | None = None
+) -> list[str]:
     """Keys of every chunk of `tokens` (the last one partial if the length is not a multiple)."""
-    return [rank_key(link, tp_rank) for link in chain(namespace.seed(), tokens, namespace.chunk_size)]
+    links = chain(namespace.seed(), tokens, namespace.chunk_size, extras=extras)
+    return [rank_key(link, rank) for link in links]

@@ -11,6 +11,7 @@ COUNTERS = (
     "lookups",  # scheduler: lookup round trips
     "lookup_errors",  # scheduler: lookups that failed or timed out (counted as misses)
     "hit_tokens",  # scheduler: tokens offered to vLLM from the sidecar
+    "unkeyable_requests",  # scheduler: requests with an input kvpool cannot key (not loaded or saved)
     "loaded_chunks",
     "loaded_bytes",
     "load_seconds",

@@ -10,8 +10,9 @@ from kvpool_sidecar.client import SidecarClient, SidecarError
 
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig
-from .keys import Namespace, chain, rank_key
+from .keys import Extras, Namespace, chain, rank_key
 from .metrics import KVPoolStats
+from .request_inputs import Unkeyable, request_extras
 from .spans import Span, align_down, decode_spans, prompt_spans
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ SKIP_SAVE_PARAM = "kvpool.skip_save"
 @dataclass
 class _ReqState:
     request: Request
+    extras: Extras | None = None  # what besides tokens its keys cover (None: tokens only)
+    unkeyable: bool = False  # an input kvpool cannot key: never loaded, never saved
     links: list[bytes] = field(default_factory=list)  # chain links of full chunks, extended lazily
     block_ids: list[int] = field(default_factory=list)
     saved: set[Span] = field(default_factory=set)  # spans known to be in the sidecar
@@ -51,14 +54,30 @@ class KVPoolScheduler:
         index = span[0] // cs
         tokens = st.request.all_token_ids
         if span[1] - span[0] < cs:  # partial tail: linked to the last full chunk, never cached
-            prev = st.links[index - 1] if index else None
-            return chain(self.seed, tokens[span[0] : span[1]], cs, start=prev or self.seed)[0]
+            prev = self._link(st, (span[0] - cs, span[0])) if index else None
+            return chain(self.seed, tokens[: span[1]], cs, start=prev, first_chunk=index, extras=st.extras)[0]
         if len(st.links) <= index:
             start = st.links[-1] if st.links else None
             st.links += chain(
-                self.seed, tokens[: (index + 1) * cs], cs, start=start, first_chunk=len(st.links)
+                self.seed,
+                tokens[: (index + 1) * cs],
+                cs,
+                start=start,
+                first_chunk=len(st.links),
+                extras=st.extras,
             )
         return st.links[index]
+
+    def _links(self, st: _ReqState, spans: list[Span]) -> list[bytes] | None:
+        """The links of `spans`, or None (and the request marked, counted) when it cannot be keyed."""
+        if not st.unkeyable:
+            try:
+                return [self._link(st, s) for s in spans]
+            except Unkeyable as e:
+                st.unkeyable = True
+                self.stats.add("unkeyable_requests")
+                log.warning("kvpool: request %s is neither loaded nor saved: %s", st.request.request_id, e)
+        return None
 
     def track(self, request: Request) -> None:
         """Starts tracking a request when vLLM receives it (so it saves even if never looked up)."""
@@ -67,7 +86,7 @@ class KVPoolScheduler:
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = self.reqs[request.request_id] = _ReqState(request)
+            st = self.reqs[request.request_id] = _ReqState(request, request_extras(request))
         return st
 
     # --- lookups ---------------------------------------------------------------------------------
@@ -82,7 +101,10 @@ class KVPoolScheduler:
         ]
         if limit <= num_computed_tokens or not spans or not spans[-1][1] > num_computed_tokens:
             return 0, False
-        keys = [rank_key(self._link(st, s), 0) for s in spans]
+        links = self._links(st, spans)
+        if links is None:
+            return 0, False
+        keys = [rank_key(link, 0) for link in links]
         self.stats.add("lookups")
         try:
             hits = self.client.lookup(keys)
@@ -180,16 +202,16 @@ class KVPoolScheduler:
         if self.cfg.save_decode_cache:
             spans += decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
         todo = [s for s in spans if s[1] <= computed_end and s not in st.saved]
-        if not todo:
+        if not todo or (links := self._links(st, todo)) is None:
             return None
         st.saved.update(todo)
         ops = [
             ChunkOp(
-                self._link(st, s),
+                link,
                 (s[1] - s[0]) // self.block_size,
                 st.block_ids[s[0] // self.block_size : s[1] // self.block_size],
             )
-            for s in todo
+            for s, link in zip(todo, links, strict=True)
         ]
         return SaveSpec(request.request_id, request.priority, ops)
 

@@ -38,7 +38,8 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     """Writes the model and tokenizer into `directory` (reused when already there) and returns it."""
     directory = Path(directory)
     marker = directory / "kvpool-shape.json"
-    if marker.exists() and json.loads(marker.read_text()) == asdict(shape):
+    made = {**asdict(shape), "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == made:
         return directory
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,7 +62,7 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(directory, safe_serialization=True)
-    marker.write_text(json.dumps(asdict(shape)))
+    marker.write_text(json.dumps(made))
     return directory
 
 

@@ -77,9 +77,9 @@ class _PendingSave:
 
 
 class KVPoolWorker:
-    def __init__(self, cfg: KVPoolConfig, tp_rank: int):
+    def __init__(self, cfg: KVPoolConfig, rank: int):
         self.cfg = cfg
-        self.tp_rank = tp_rank
+        self.rank = rank  # pipeline stage * TP size + TP rank: picks this worker's keys
         self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
         self.layers: list[PagedLayer] = []
         self.layer_index: dict[str, int] = {}
@@ -189,7 +189,7 @@ class KVPoolWorker:
             usable = 0
             try:
                 # checked against slot.checksum on the copy thread, off the critical path
-                pinned = self.client.pin([rank_key(op.link, self.tp_rank) for op in ops], verify=False)
+                pinned = self.client.pin([rank_key(op.link, self.rank) for op in ops], verify=False)
                 job.leases.append(pinned.lease)
                 self._arena_tensor()
                 if pinned.slots and not self._arena_is_live():
@@ -338,9 +338,7 @@ class KVPoolWorker:
             if save.req_id in self._failed_reqs:
                 self.stats.add("save_skipped_chunks", len(save.chunks))
                 continue
-            items = [
-                (rank_key(op.link, self.tp_rank), self.chunk_bytes(op.chunk_blocks)) for op in save.chunks
-            ]
+            items = [(rank_key(op.link, self.rank), self.chunk_bytes(op.chunk_blocks)) for op in save.chunks]
             try:
                 slots = self.client.reserve(items, priority=save.priority)
             except SidecarError as e:

@@ -1,0 +1,196 @@
+"""The real vllm==0.33.0 v1 Scheduler on the CPU, built and driven the way vLLM's own
+tests/v1/kv_connector/unit/utils.py does (config, scheduler, requests and model runner outputs),
+with kvpool's connector talking to a real sidecar. No worker runs: a test plays the worker by putting
+chunks into the sidecar under the keys the engine would use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvpool_connector.keys import chunk_keys, rank_key
+from kvpool_sidecar.client import SidecarClient
+
+BS = 16
+CHUNK = 32
+EOS = 2
+init_none_hash(sha256)
+
+
+def make_scheduler(
+    model: Path,
+    url: str,
+    num_blocks: int = 200,
+    batched: int = 64,
+    prefix_caching: bool = False,
+    lora: bool = False,
+    encoder_budget: int = 0,
+    **extra: Any,
+) -> Scheduler:
+    """The scheduler as the engine core makes it. `encoder_budget` gives it the encoder compute and
+    cache budget a vision model's config would (the tiny model has none), so requests with
+    multimodal items get scheduled."""
+    model_config = ModelConfig(model=str(model), dtype="float16", seed=42)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=batched,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(
+        block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching
+    )
+    cache_config.kv_cache_layout = "LBNHC"  # connectors are built after layout resolution
+    kv_transfer = KVTransferConfig(
+        kv_connector="KVPoolConnector",
+        kv_connector_module_path="kvpool_connector",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"sidecar_url": url, "chunk_size": CHUNK, **extra},
+    )
+    config = VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer,
+        device_config=DeviceConfig("cpu"),
+        lora_config=LoRAConfig(max_loras=2) if lora else None,
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer0", "layer1"],
+                FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float16),
+            )
+        ],
+    )
+    config.cache_config.num_gpu_blocks = num_blocks
+    scheduler = Scheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BS,
+    )
+    if encoder_budget:
+        scheduler.max_num_encoder_input_tokens = encoder_budget
+        scheduler.encoder_cache_manager = EncoderCacheManager.create_manager(
+            cache_size=encoder_budget, vllm_config=config
+        )
+    return scheduler
+
+
+_ids = iter(range(1, 10_000))
+
+
+def make_request(tokens: list[int] | None, max_tokens: int = 4, priority: int = 0, **inputs: Any) -> Request:
+    """A request as the engine core builds it; `inputs` are Request's own (cache_salt, lora_request,
+    mm_features, prompt_embeds)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, EOS)
+    return Request(
+        request_id=f"r{next(_ids)}",
+        prompt_token_ids=tokens,
+        sampling_params=params,
+        pooling_params=None,
+        priority=priority,
+        block_hasher=get_request_block_hasher(BS, sha256),
+        **inputs,
+    )
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 500 + 4 for i in range(n)]
+
+
+def store_chunks(scheduler: Scheduler, client: SidecarClient, tokens: list[int], n: int) -> None:
+    """Puts the first n chunks of `tokens` where the engine would look for them."""
+    keys = chunk_keys(namespace_of(scheduler), tokens)[:n]
+    for key in keys:
+        assert client.put(key, b"\0" * 64)
+
+
+def namespace_of(scheduler: Scheduler):
+    from kvpool_connector.namespace import engine_namespace
+
+    return engine_namespace(scheduler.vllm_config, scheduler.kv_cache_config, CHUNK)
+
+
+def model_output(scheduler: Scheduler, so, invalid: set[int] | None = None) -> ModelRunnerOutput:
+    from vllm.v1.outputs import KVConnectorOutput
+
+    req_ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[7] for _ in req_ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid or set()) if invalid else None,
+    )
+
+
+def run_to_end(scheduler: Scheduler, max_steps: int = 500, counters: dict[str, Any] | None = None) -> list:
+    """Steps until nothing is left; returns the scheduler outputs (their connector metadata included).
+    `counters` sums the connector's counters as the engine reports them."""
+    outputs = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return outputs
+        so = scheduler.schedule()
+        outputs.append(so)
+        for eco in scheduler.update_from_output(so, model_output(scheduler, so)).values():
+            stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
+            for name, value in (stats or {}).get("data", stats or {}).items():
+                if counters is not None:
+                    counters[name] = counters.get(name, 0) + value
+    raise AssertionError("requests did not finish")
+
+
+def assert_empty(scheduler: Scheduler) -> None:
+    """Every request finished and every block freed (as vLLM's assert_scheduler_empty checks)."""
+    assert not scheduler.requests and not scheduler.waiting and not scheduler.running
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert not scheduler.connector.scheduler.reqs  # the connector forgot every request
+
+
+def loads_of(outputs: list) -> list:
+    return [ld for so in outputs for ld in so.kv_connector_metadata.loads]
+
+
+def saves_of(outputs: list) -> list:
+    return [sv for so in outputs for sv in so.kv_connector_metadata.saves]
+
+
+def save_like_a_worker(client: SidecarClient, outputs: list) -> list[str]:
+    """Stores every chunk the steps asked to save, under rank 0's key, as the worker would."""
+    keys = [rank_key(op.link, 0) for sv in saves_of(outputs) for op in sv.chunks]
+    for key in keys:
+        assert client.put(key, b"\1" * 64)
+    return keys
