@@ -20,9 +20,13 @@ def sidecar_factory(tmp_path: Path) -> Iterator:
     started: list[Proc] = []
 
     def make(
-        capacity: str | int = "64Mi", redis_urls: list[str] = (), *extra: str, port: int | None = None
+        capacity: str | int = "64Mi",
+        redis_urls: list[str] = (),
+        *extra: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> Proc:
-        proc = start_sidecar(tmp_path, capacity, redis_urls, *extra, port=port)
+        proc = start_sidecar(tmp_path, capacity, redis_urls, *extra, port=port, env=env)
         started.append(proc)
         return proc
 

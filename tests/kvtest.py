@@ -158,7 +158,7 @@ def redis_server(port: int | None = None) -> Iterator[RedisServer]:
             server.stop()
 
 
-def redis_call(port: int, *args: str, password: str | None = None, host: str = "127.0.0.1") -> bytes:
+def redis_call(port: int, *args: str | bytes, password: str | None = None, host: str = "127.0.0.1") -> bytes:
     """One command over a raw socket (no client library between the test and the server)."""
     with socket.create_connection((host, port), timeout=2) as s:
         if password:
@@ -168,10 +168,10 @@ def redis_call(port: int, *args: str, password: str | None = None, host: str = "
         return s.recv(65536)
 
 
-def _resp(*args: str) -> bytes:
+def _resp(*args: str | bytes) -> bytes:
     out = f"*{len(args)}\r\n".encode()
     for a in args:
-        b = a.encode()
+        b = a if isinstance(a, bytes) else a.encode()
         out += b"$%d\r\n%s\r\n" % (len(b), b)
     return out
 
@@ -234,13 +234,16 @@ def start_sidecar(
     redis_urls: list[str] = (),
     *extra: str,
     port: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> Proc:
-    """Starts the real sidecar process and waits for /healthz."""
+    """Starts the real sidecar process (with `env` added to this one's) and waits for /healthz."""
     port = port or free_port()
     arena_dir = workdir / f"arena-{port}"
     arena_dir.mkdir(parents=True, exist_ok=True)
     proc = spawn(
-        sidecar_argv(port, arena_dir, capacity, list(redis_urls), *extra), workdir / f"sidecar-{port}.log"
+        sidecar_argv(port, arena_dir, capacity, list(redis_urls), *extra),
+        workdir / f"sidecar-{port}.log",
+        env,
     )
     url = f"http://127.0.0.1:{port}"
     try:

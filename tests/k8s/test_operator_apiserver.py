@@ -248,8 +248,12 @@ def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple) -> 
     wait_until(
         lambda: cp.kubectl_result("-n", ns, "get", "statefulset", tier).returncode == 0, 60, "the StatefulSet"
     )
-    for kind in ("service", "secret", "configmap"):
-        name = tier if kind != "configmap" else "cache-kvpool"
+    for kind, name in (
+        ("service", tier),
+        ("secret", tier),
+        ("secret", "cache-kvpool-key"),
+        ("configmap", "cache-kvpool"),
+    ):
         owner = get_json(cp, "-n", ns, kind, name)["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["controller"]) == ("KVCachePool", "cache", True)
     shard = wait_until(lambda: all_ready(pods_of(cp, ns, "kvpool.dev/pool=cache"), 1), 90, "the first shard")[
@@ -269,7 +273,8 @@ def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple) -> 
 
     def collected() -> bool:  # by the controller manager's garbage collector, from the ownerReferences
         out = cp.kubectl("-n", ns, "get", f"statefulset/{tier}", f"service/{tier}", f"secret/{tier}",
-                         "configmap/cache-kvpool", "--ignore-not-found", "-o", "name")  # fmt: skip
+                         "secret/cache-kvpool-key", "configmap/cache-kvpool",
+                         "--ignore-not-found", "-o", "name")  # fmt: skip
         return out.strip() == ""
 
     wait_until(collected, 90, "the pool's objects to be garbage-collected")

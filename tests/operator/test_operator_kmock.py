@@ -218,6 +218,9 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
     secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis"))
     password = secret_value(secret, "password")
     assert len(password) >= 32 and owned_by(secret, pool)
+    key_secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-key"))  # authenticates chunks
+    pool_key = secret_value(key_secret, "pool-key")
+    assert len(pool_key) >= 32 and pool_key != password and owned_by(key_secret, pool)
     service = cluster.api.get(core_path(ns, "services", "llama-kvpool-redis"))
     sts = cluster.api.get(apps_path(ns, "statefulsets", "llama-kvpool-redis"))
     assert owned_by(service, pool) and owned_by(sts, pool)
@@ -250,6 +253,8 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
     wait_status(cluster, ns, "llama", lambda s: s.get("observedGeneration") == 2, "the update handled")
     secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis"))
     assert secret_value(secret, "password") == password  # a generated password is never regenerated
+    key_secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-key"))
+    assert secret_value(key_secret, "pool-key") == pool_key
 
     # fewer shards: the sidecars are told before the StatefulSet shrinks
     before = len(cluster.api.requests())

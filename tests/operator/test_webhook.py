@@ -243,13 +243,21 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
     config = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
     assert config["kv_connector_extra_config"]["sidecar_url"] == "http://127.0.0.1:8000"
     (sidecar,) = result["spec"]["initContainers"]
-    assert sidecar["args"][-2:] == ["--redis-urls-file", "/etc/kvpool/redis/redis-urls"]
+    assert sidecar["args"][-3:] == [
+        "--redis-urls-file",
+        "/etc/kvpool/redis/redis-urls",
+        "--pool-key-required",
+    ]
     assert sidecar["args"][sidecar["args"].index("--status-port") + 1] == "8001"
     assert sidecar["env"] == [
         {
+            "name": "KVPOOL_POOL_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "cached-kvpool-key", "key": "pool-key", "optional": True}},
+        },
+        {
             "name": "KVPOOL_REDIS_PASSWORD",
             "valueFrom": {"secretKeyRef": {"name": "cached-kvpool-redis", "key": "password"}},
-        }
+        },
     ]
     assert {"name": "kvpool-redis-urls", "mountPath": "/etc/kvpool/redis", "readOnly": True} in sidecar[
         "volumeMounts"
@@ -351,6 +359,8 @@ def test_the_sidecar_parses_what_the_webhook_injects(backend: str) -> None:
     assert str(settings.arena_dir) == "/var/run/kvpool"
     if backend == "redis":
         assert str(settings.redis_urls_file) == "/etc/kvpool/redis/redis-urls"
-        assert settings.redis_password == "s3cret"
+        assert settings.redis_password == "s3cret" and settings.pool_key == b"s3cret"
+        assert settings.pool_key_required
     else:
         assert settings.redis_urls_file is None and settings.redis_password is None
+        assert settings.pool_key is None and not settings.pool_key_required

@@ -175,3 +175,44 @@ def test_redis_absent_at_start_then_up(sidecar_factory) -> None:
         # a plain (non-cluster) Redis behind a cluster URL: not ready, and it says why
         _, reason = client(cluster).readyz()
         assert "cluster" in reason.lower()
+
+
+POOL = {"KVPOOL_POOL_KEY": "pool-a-secret"}
+
+
+def test_a_chunk_planted_without_the_pool_key_is_never_loaded(sidecar_factory, redis) -> None:
+    import struct
+
+    from kvpool_sidecar.wire import checksum
+
+    a, b = sidecar_factory("16Mi", [redis.url], env=POOL), sidecar_factory("16Mi", [redis.url], env=POOL)
+    ca, cb = client(a), client(b)
+    planted, other_pool = key(1, "planted"), key(2, "other-pool")
+    # bytes with a valid checksum and the pool's meta format, from something without the pool's key
+    evil = payload(30_000, 66)
+    meta = struct.pack(">4sQQiI16s", b"KVP2", len(evil), checksum(evil), 0, 1, b"\x07" * 16)
+    redis_call(redis.port, "SET", f"kvpool:{{{planted}}}:0", evil)
+    redis_call(redis.port, "SET", f"kvpool:{{{planted}}}:m", meta)
+    # and a chunk written by a sidecar of another pool (another key) into the same Redis
+    stranger = client(sidecar_factory("16Mi", [redis.url], env={"KVPOOL_POOL_KEY": "pool-b-secret"}))
+    save(stranger, {other_pool: payload(30_000, 77)})
+    wait_until(lambda: redis_stats(stranger)["written"] == 1, 30, "the other pool's write-behind")
+    assert load(cb, [planted]) == {} and load(cb, [other_pool]) == {} and cb.get(planted) is None
+    assert redis_stats(cb)["auth_failures"] == 2 and redis_stats(cb)["authenticated"] is True
+    assert b":0" in redis_call(redis.port, "EXISTS", f"kvpool:{{{planted}}}:m")  # deleted, not kept
+    # the pool's own chunk under that key is then written behind by one pod and shared byte for byte
+    real = payload(30_000, 1)
+    save(ca, {planted: real})
+    wait_until(lambda: redis_stats(ca)["written"] == 1, 30, "write-behind of the real chunk")
+    assert load(cb, [planted]) == {planted: real}
+
+
+def test_a_pod_that_must_authenticate_and_has_no_key_keeps_redis_off(sidecar_factory, redis) -> None:
+    proc = sidecar_factory("16Mi", [redis.url], "--pool-key-required")
+    c = client(proc)
+    ready, reason = c.readyz()
+    assert not ready and "KVPOOL_POOL_KEY" in reason
+    assert c.stats()["tiers"]["redis"] == {"ready": False, "reason": reason}
+    save(c, {key(1, "nokey"): b"n" * 4096})  # the CPU tier serves on
+    assert load(c, [key(1, "nokey")]) == {key(1, "nokey"): b"n" * 4096}
+    assert b":0" in redis_call(redis.port, "DBSIZE")

@@ -144,7 +144,11 @@ def sidecar_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
     mounts = [{"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR}]
     env: list[dict[str, Any]] = []
     if pool.redis is not None:
-        args += ["--redis-urls-file", f"{names.REDIS_URLS_DIR}/{names.REDIS_URLS_KEY}"]
+        args += ["--redis-urls-file", f"{names.REDIS_URLS_DIR}/{names.REDIS_URLS_KEY}", "--pool-key-required"]
+        # optional: a pod admitted before the operator made the Secret still starts (its Redis tier
+        # stays off, and /readyz says why) rather than waiting on a cache
+        key_ref = {"name": names.pool_key_secret(pool.name), "key": names.POOL_KEY_KEY, "optional": True}
+        env.append({"name": "KVPOOL_POOL_KEY", "valueFrom": {"secretKeyRef": key_ref}})
         mounts.append({"name": names.REDIS_URLS_VOLUME, "mountPath": names.REDIS_URLS_DIR, "readOnly": True})
         secret = password_secret(pool)
         if secret is not None:

@@ -27,6 +27,7 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 CONFIG_KEY = "kv-transfer-config.json"  # ConfigMap key: the connector config
 REDIS_URLS_KEY = "redis-urls"  # ConfigMap key: one shard URL a line (the sidecar's --redis-urls-file)
 PASSWORD_KEY = "password"
+POOL_KEY_KEY = "pool-key"  # the Secret key of the pool's chunk-authentication secret
 LAST_SCALE_ANNOTATION = "kvpool.dev/last-scale-time"  # on the shared tier's StatefulSet
 REDIS_PORT = 6379
 
@@ -38,6 +39,11 @@ def config_map_name(pool: str) -> str:
 def redis_name(pool: str) -> str:
     """The shared tier's StatefulSet, headless Service and password Secret."""
     return f"{pool}-kvpool-redis"
+
+
+def pool_key_secret(pool: str) -> str:
+    """The Secret with the key that authenticates the pool's chunks in Redis (any Redis mode)."""
+    return f"{pool}-kvpool-key"
 
 
 def owned_labels(pool: str, component: str) -> dict[str, str]:

@@ -71,15 +71,26 @@ def shard_urls(pool: Pool, count: int) -> list[str]:
     return [f"redis://{svc}-{i}.{svc}.{pool.namespace}.svc:{names.REDIS_PORT}/0" for i in range(count)]
 
 
-def password_secret(pool: Pool, owner: Mapping[str, Any]) -> dict[str, Any]:
-    password = secrets.token_urlsafe(32)
+def _generated_secret(
+    name: str, key: str, pool: Pool, component: str, owner: Mapping[str, Any]
+) -> dict[str, Any]:
+    value = secrets.token_urlsafe(32)  # created once, never rotated (ensure_absent_then_create)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": _metadata(names.redis_name(pool.name), pool, "redis", owner),
+        "metadata": _metadata(name, pool, component, owner),
         "type": "Opaque",
-        "data": {names.PASSWORD_KEY: base64.b64encode(password.encode()).decode()},
+        "data": {key: base64.b64encode(value.encode()).decode()},
     }
+
+
+def password_secret(pool: Pool, owner: Mapping[str, Any]) -> dict[str, Any]:
+    return _generated_secret(names.redis_name(pool.name), names.PASSWORD_KEY, pool, "redis", owner)
+
+
+def pool_key_secret(pool: Pool, owner: Mapping[str, Any]) -> dict[str, Any]:
+    """The pool's own secret: its sidecars MAC every chunk they write to Redis and check it on reads."""
+    return _generated_secret(names.pool_key_secret(pool.name), names.POOL_KEY_KEY, pool, "key", owner)
 
 
 def redis_selector(pool: Pool) -> dict[str, str]:

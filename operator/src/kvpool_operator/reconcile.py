@@ -78,6 +78,8 @@ async def reconcile(
     missing: str | None = None
     try:
         urls: list[str] | None = None
+        if pool.redis is not None:
+            await kube.ensure_absent_then_create("Secret", namespace, objects.pool_key_secret(pool, owner))
         if pool.shared_tier:
             urls, tier = await _shared_tier(kube, pool, owner)
         elif pool.redis is not None:

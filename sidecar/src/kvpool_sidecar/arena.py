@@ -3,10 +3,60 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
+import stat
 from pathlib import Path
 
 from kvpool_sidecar.wire import ARENA_FILE, map_populated
+
+log = logging.getLogger(__name__)
+
+
+def file_mode(directory: Path) -> int:
+    """The mode of the arena and the control socket in `directory`.
+
+    A directory with the set-group-ID bit (a pod's emptyDir with an fsGroup) gives its files a group
+    every container of the pod has: 0660, nobody else. Without it the vLLM container may run as any
+    user with no group in common: 0666, and the directory must be private to the pod (an emptyDir
+    only the sidecar and the vLLM container mount)."""
+    return 0o660 if directory.stat().st_mode & stat.S_ISGID else 0o666
+
+
+def check_directory(directory: Path) -> None:
+    """Refuses a directory that is a symlink or not a directory; warns when others can swap its files."""
+    st = directory.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise OSError(f"--arena-dir {directory} must be a directory, not a symlink or a file")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        log.warning(
+            "--arena-dir %s is writable by every user and not sticky: keep it private to the pod "
+            "(an emptyDir mounted only by the sidecar and vLLM)",
+            directory,
+        )
+
+
+def _open_own(path: Path, mode: int) -> int:
+    """The arena file, opened without following a symlink; a file that is not this process's own
+    regular, single-link file (planted before the sidecar started) is replaced, never used."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        log.warning("replacing %s: a symlink", path)
+    else:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+            return fd
+        os.close(fd)
+        log.warning(
+            "replacing %s: not a regular file of this user (uid %d, %d links)", path, st.st_uid, st.st_nlink
+        )
+    path.unlink()
+    return os.open(path, flags | os.O_EXCL, mode)
 
 
 class Arena:
@@ -14,17 +64,16 @@ class Arena:
 
     def __init__(self, directory: Path, size: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
+        check_directory(directory)
         self.path = directory / ARENA_FILE
+        self.mode = file_mode(directory)
         self.size = size
         # The same file across sidecar restarts (an emptyDir outlives its containers): a client
         # that still maps it keeps a valid mapping, and memory is not held twice. Its old bytes are
         # never trusted: the index starts empty, and every chunk is checksummed before it is served.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = _open_own(self.path, self.mode)
         try:
-            # Readable and writable by the vLLM container whatever user it runs as: the directory
-            # is a volume private to the pod, so the pod's containers are all who can reach it.
-            with contextlib.suppress(PermissionError):  # a file another user made keeps its mode
-                os.fchmod(fd, 0o666)
+            os.fchmod(fd, self.mode)  # the umask may have narrowed it
             os.ftruncate(fd, size)
             # Allocate every page now: a first touch during a save costs a page fault and zeroing
             # (measured: saves ran at a fifth of their speed), and a tmpfs too small for --capacity

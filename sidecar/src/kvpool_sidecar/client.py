@@ -294,7 +294,7 @@ class SidecarClient:
             if self._arena is not None and (st.st_ino, st.st_size) == self._arena_identity:
                 return self._arena
             try:
-                fd = os.open(path, os.O_RDWR)
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
                 try:
                     size = os.fstat(fd).st_size
                     self._arena_map = map_populated(fd, size)

@@ -95,5 +95,5 @@ async def start(sidecar: Sidecar) -> asyncio.AbstractServer | None:
         log.warning("no control socket at %s (%s): clients will use HTTP control", path, e)
         sidecar.socket_serving = False
         return None
-    os.chmod(path, 0o666)  # like the arena: any user of the pod's containers
+    os.chmod(path, sidecar.arena.mode)  # like the arena (see arena.file_mode)
     return server

@@ -7,6 +7,10 @@
   and then a small meta record; all its keys share the hash tag {key}, so in a Redis Cluster they
   live in one slot. Meta is written after the pieces, so a reader that finds the meta finds whole
   pieces; the checksum in the meta is checked on every read.
+- Chunks cross pods here, so the meta carries a MAC, keyed by the pool's secret (KVPOOL_POOL_KEY),
+  over the key, length, checksum and priority. A chunk whose MAC fails (planted by something without
+  the secret, or written by another pool) is never promoted: it is a miss, deleted from Redis so the
+  real chunk can be written, and counted (`auth_failures`). Without a key the tier trusts Redis.
 - Shards are chosen by rendezvous hashing of the chunk key (adding a shard moves ~1/n of keys).
 - A shard that fails is marked down at once and skipped (a miss, a dropped write) until the health
   thread's PING succeeds again; redis-py reconnects on the next command, so recovery needs nothing.
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import queue
 import struct
@@ -37,8 +42,10 @@ from kvpool_sidecar.wire import checksum
 log = logging.getLogger(__name__)
 
 PIECE_BYTES = 4 * 2**20
-_META = struct.Struct(">4sQQiI")  # magic, length, checksum, priority, pieces
-_MAGIC = b"KVP1"
+_META = struct.Struct(">4sQQiI16s")  # magic, length, checksum, priority, pieces, MAC
+_MAGIC = b"KVP2"
+_MAC_FIELDS = struct.Struct(">QQi")
+_NO_MAC = bytes(16)
 _ERRORS = (redis.RedisError, OSError)
 
 
@@ -48,6 +55,14 @@ def meta_key(key: str) -> str:
 
 def piece_key(key: str, i: int) -> str:
     return f"kvpool:{{{key}}}:{i}"
+
+
+def chunk_mac(pool_key: bytes | None, key: str, length: int, digest: int, priority: int) -> bytes:
+    """The pool's MAC of a chunk's meta (zeros without a key)."""
+    if pool_key is None:
+        return _NO_MAC
+    message = b"kvpool-chunk\0" + key.encode() + _MAC_FIELDS.pack(length, digest, priority)
+    return hmac.digest(pool_key, message, "sha256")[:16]
 
 
 def piece_count(length: int) -> int:
@@ -159,6 +174,7 @@ class TierCounters:
     hits: int = 0
     misses: int = 0
     read_errors: int = 0
+    auth_failures: int = 0  # chunks whose MAC failed: never promoted, deleted from Redis
     bytes_read: int = 0
 
 
@@ -167,6 +183,7 @@ class RedisTier:
     store: Store
     urls: tuple[str, ...]
     password: str | None = None
+    pool_key: bytes | None = field(default=None, repr=False)
     queue_chunks: int = 256
     urls_file: Path | None = None
     health_interval: float = 1.0
@@ -187,6 +204,7 @@ class RedisTier:
             store,
             settings.redis_urls,
             password=settings.redis_password,
+            pool_key=settings.pool_key,
             queue_chunks=settings.redis_queue_chunks,
             urls_file=settings.redis_urls_file,
         )
@@ -253,6 +271,8 @@ class RedisTier:
             "hits": c.hits,
             "misses": c.misses,
             "read_errors": c.read_errors,
+            "auth_failures": c.auth_failures,
+            "authenticated": self.pool_key is not None,
             "bytes_read": c.bytes_read,
         }
 
@@ -344,7 +364,8 @@ class RedisTier:
                 pipe = shard.client.pipeline(transaction=False)
                 for i in range(n):
                     pipe.set(piece_key(key, i), view[i * PIECE_BYTES : (i + 1) * PIECE_BYTES])
-                pipe.set(meta_key(key), _META.pack(_MAGIC, slot.length, digest, priority, n))
+                mac = chunk_mac(self.pool_key, key, slot.length, digest, priority)
+                pipe.set(meta_key(key), _META.pack(_MAGIC, slot.length, digest, priority, n, mac))
                 pipe.execute()
             except _ERRORS as e:
                 shard.down(e)
@@ -403,9 +424,16 @@ class RedisTier:
             if len(raw) != _META.size or raw[:4] != _MAGIC:
                 self.counters.read_errors += 1
                 return None
-            _, length, digest, priority, n = _META.unpack(raw)
+            _, length, digest, priority, n, mac = _META.unpack(raw)
             if n != piece_count(length) or length > self.store.capacity:
                 self.counters.read_errors += 1
+                return None
+            if self.pool_key is not None and not hmac.compare_digest(
+                mac, chunk_mac(self.pool_key, key, length, digest, priority)
+            ):
+                self.counters.auth_failures += 1
+                log.warning("chunk %s in redis shard %s fails the pool's MAC: deleted", key, shard.name)
+                shard.client.delete(meta_key(key), *(piece_key(key, i) for i in range(n)))
                 return None
             # One GET per piece, not a pipeline: hiredis parses a train of large replies at half
             # the speed of one at a time (measured 1.0 vs 2.0 GB/s for 4 MiB pieces), and a round

@@ -19,13 +19,23 @@ class Sidecar:
     arena: Arena
     store: Store
     redis: object | None = None  # kvpool_sidecar.redis_tier.RedisTier, imported only when configured
+    redis_refused: str | None = None  # why a configured Redis tier is off
 
     @classmethod
     def build(cls, settings: Settings) -> Sidecar:
         arena = Arena(settings.arena_dir, settings.capacity)
         store = Store(arena, lease_seconds=settings.lease_seconds)
         sidecar = cls(settings, arena, store)
-        if settings.redis_urls or settings.redis_urls_file:
+        if (
+            (settings.redis_urls or settings.redis_urls_file)
+            and settings.pool_key_required
+            and not settings.pool_key
+        ):
+            sidecar.redis_refused = (
+                "redis tier off: --pool-key-required and no KVPOOL_POOL_KEY (is the pool's key Secret there?)"
+            )
+            log.error("%s", sidecar.redis_refused)
+        elif settings.redis_urls or settings.redis_urls_file:
             from kvpool_sidecar.redis_tier import RedisTier
 
             tier = RedisTier.from_settings(settings, store)
@@ -48,6 +58,8 @@ class Sidecar:
             self.redis.close()
 
     def ready(self, cpu_only: bool = False) -> tuple[bool, str]:
+        if not cpu_only and self.redis_refused:
+            return False, self.redis_refused
         if self.redis is not None and not cpu_only:
             ok, reason = self.redis.health()
             if not ok:
@@ -61,6 +73,8 @@ class Sidecar:
         tiers: dict[str, dict] = {"cpu": cpu}
         if self.redis is not None:
             tiers["redis"] = self.redis.stats()
+        elif self.redis_refused:
+            tiers["redis"] = {"ready": False, "reason": self.redis_refused}
         return {
             **{k: snap[k] for k in ("hits", "misses")},
             "hit_rate": snap["hits"] / asked if asked else 0.0,

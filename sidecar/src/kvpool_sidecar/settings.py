@@ -36,6 +36,8 @@ class Settings:
     redis_urls: tuple[str, ...] = ()
     redis_urls_file: Path | None = None
     redis_password: str | None = field(default=None, repr=False)
+    pool_key: bytes | None = field(default=None, repr=False)  # authenticates chunks in Redis (see redis_tier)
+    pool_key_required: bool = False  # without a key, keep Redis off rather than trust it
     max_chunk_bytes: int = 64 * 2**20
     lease_seconds: float = 30.0
     status_host: str = "0.0.0.0"
@@ -102,6 +104,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=default("redis-queue-chunks", d.redis_queue_chunks),
         help="write-behind queue length; saves beyond it are not written to Redis (counted)",
     )
+    p.add_argument(
+        "--pool-key-required",
+        action="store_true",
+        default=_env(environ, "pool-key-required") in ("1", "true", "yes"),
+        help="refuse the Redis tier unless KVPOOL_POOL_KEY (the pool's secret, env only) is set",
+    )
     p.add_argument("--log-level", default=default("log-level", d.log_level))
     return p  # fmt: skip
 
@@ -125,6 +133,8 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         redis_urls=tuple(ns.redis_urls if ns.redis_urls is not None else ns.env_redis_urls),
         redis_urls_file=ns.redis_urls_file,
         redis_password=_env(environ, "redis-password"),
+        pool_key=key.encode() if (key := _env(environ, "pool-key")) else None,
+        pool_key_required=ns.pool_key_required,
         max_chunk_bytes=ns.max_chunk_bytes,
         lease_seconds=ns.lease_seconds,
         status_host=ns.status_host,

@@ -1,0 +1,85 @@
+"""The arena file and the control socket, made by the real sidecar process: never through a planted
+symlink or hard link, group-only where the directory gives a shared group (a pod's fsGroup)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from kvtest import start_sidecar
+from sidecar_support import key, load, save
+
+from kvpool_sidecar.client import SidecarClient
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+def test_a_planted_symlink_or_hard_link_is_replaced_never_written_through(tmp_path) -> None:
+    arena_dir = tmp_path / "arena-1"
+    arena_dir.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (arena_dir / "arena").symlink_to(victim)
+    linked = tmp_path / "linked"
+    linked.write_bytes(b"")
+    (arena_dir / "control.sock").hardlink_to(linked)  # the socket path is unlinked and made anew
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(arena_dir))
+    try:
+        assert victim.read_bytes() == b"precious"
+        arena = arena_dir / "arena"
+        assert stat.S_ISREG(arena.lstat().st_mode) and arena.stat().st_nlink == 1
+        assert arena.stat().st_size == 2**20
+        assert stat.S_ISSOCK((arena_dir / "control.sock").lstat().st_mode)
+        assert linked.read_bytes() == b""
+    finally:
+        proc.stop()
+    # a hard link to another file (so a second name can read and write the arena): replaced too
+    os.unlink(arena_dir / "arena")
+    other = tmp_path / "other"
+    other.write_bytes(b"\0" * 2**20)
+    (arena_dir / "arena").hardlink_to(other)
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(arena_dir))
+    try:
+        c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(arena_dir))
+        save(c, {key(1, "own"): b"\x42" * 4096})
+        assert load(c, [key(1, "own")]) == {key(1, "own"): b"\x42" * 4096}
+        assert other.read_bytes() == b"\0" * 2**20 and (arena_dir / "arena").stat().st_nlink == 1
+    finally:
+        proc.stop()
+
+
+def test_files_are_group_only_in_a_directory_with_a_shared_group(tmp_path) -> None:
+    shared, private = tmp_path / "shared", tmp_path / "private"
+    shared.mkdir()
+    private.mkdir()
+    os.chmod(shared, 0o2770)  # what the kubelet makes of an emptyDir when the pod has an fsGroup
+    for directory, mode in ((shared, 0o660), (private, 0o666)):
+        proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory))
+        try:
+            assert _mode(directory / "arena") == mode
+            assert _mode(directory / "control.sock") == mode
+        finally:
+            proc.stop()
+
+
+def test_an_arena_dir_that_is_a_symlink_is_refused(tmp_path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    argv = [
+        sys.executable,
+        "-m",
+        "kvpool_sidecar",
+        "--arena-dir",
+        str(tmp_path / "link"),
+        "--capacity",
+        "1Mi",
+    ]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "not a symlink" in run.stderr and "Traceback" not in run.stderr
+    assert not (real / "arena").exists()
