@@ -20,8 +20,9 @@ PROMPT = random_prompt(600, 512, seed=21)
 def test_second_engine_loads_what_the_first_saved_through_redis(
     tmp_path: Path, tiny_model: Path, redis: RedisServer
 ) -> None:
-    a = start_sidecar(tmp_path, "64Mi", [redis.url])
-    b = start_sidecar(tmp_path, "64Mi", [redis.url])
+    pool = {"KVPOOL_POOL_KEY": "one-pool"}  # as the operator sets it: chunks in Redis carry the pool's MAC
+    a = start_sidecar(tmp_path, "64Mi", [redis.url], "--pool-key-required", env=pool)
+    b = start_sidecar(tmp_path, "64Mi", [redis.url], "--pool-key-required", env=pool)
     warmup = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=22)], "max_tokens": 2}
     x = Engine(
         tmp_path,

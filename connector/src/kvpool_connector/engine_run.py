@@ -8,7 +8,8 @@ SPEC: {"model": dir, "block_size": 32, "kv_cache_bytes": N, "max_model_len": N,
        "connector": null | {"name": ..., "module": ..., "extra": {...}}, "scheduling_policy": "fcfs",
        "max_num_batched_tokens": null, "enable_prefix_caching": false,
        "runs": [{"label": str, "prompts": [[ids], ...], "max_tokens": 4, "priority": [..] | null,
-                 "kv_transfer_params": {...} | null, "wait_for": path | null}, ...]}
+                 "kv_transfer_params": {...} | null, "cache_salt": str | null,
+                 "wait_for": path | null}, ...]}
 A run with "wait_for" starts when that file exists (the caller changes the world between runs);
 after each run "<OUT>.<label>.done" is written. OUT gets {"runs": [{"label", "seconds", "outputs":
 [{"token_ids", "logprobs", "num_cached_tokens"}]}]}.
@@ -73,7 +74,8 @@ def run_one(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(
         max_tokens=run.get("max_tokens", 4), temperature=0.0, logprobs=1, ignore_eos=True, extra_args=extra
     )
-    prompts = [{"prompt_token_ids": ids} for ids in run["prompts"]]
+    salt = {"cache_salt": run["cache_salt"]} if run.get("cache_salt") else {}
+    prompts = [{"prompt_token_ids": ids, **salt} for ids in run["prompts"]]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, priority=run.get("priority"), use_tqdm=False)
     seconds = time.perf_counter() - t0
