@@ -1,8 +1,8 @@
 """Tenants and model versions on the real vLLM CPU engine, with vLLM's prefix caching on (the
 production default), through the connector and a real sidecar process.
 
-- The same tokens under two cache salts never load each other's chunks (nor vLLM's own cache's), and
-  each salt still hits its own chunks from a fresh engine process.
+- The same tokens under two cache salts, or with and without a LoRA adapter, never load each other's
+  chunks (nor vLLM's own cache's), and each still hits its own chunks from a fresh engine process.
 - New weights at the same model path (a rolling upgrade) load nothing the old weights saved, and the
   new model's outputs equal its own cold outputs bit for bit.
 """
@@ -17,7 +17,7 @@ import pytest
 from enginekit import Engine, engine_spec, kvpool_connector
 from kvtest import start_sidecar
 
-from kvpool_connector.tinymodel import TINY, make_model, random_prompt
+from kvpool_connector.tinymodel import TINY, make_lora, make_model, random_prompt
 from kvpool_sidecar.client import SidecarClient
 
 pytestmark = pytest.mark.engine
@@ -27,21 +27,16 @@ WARM_TOKENS = 576  # the last token is recomputed; loads stop at its block
 WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=32)], "max_tokens": 2}
 
 
-def _engine(d: Path, name: str, model: Path, url: str | None, runs: dict[str, str | None]) -> Engine:
-    """An engine whose runs (label: cache salt) each wait for the test's go, after a warm-up."""
+def _engine(d: Path, name: str, model: Path, url: str | None, runs: dict[str, dict[str, Any]]) -> Engine:
+    """An engine (LoRA enabled) whose runs (label: cache_salt or lora) each wait for the test's go,
+    after a warm-up."""
     engine = Engine(d, name, {})
     connector = kvpool_connector(url) if url else None
     steps = [
-        {
-            "label": label,
-            "prompts": [PROMPT],
-            "max_tokens": 6,
-            "cache_salt": salt,
-            "wait_for": engine.go_file(label),
-        }
-        for label, salt in runs.items()
+        {"label": label, "prompts": [PROMPT], "max_tokens": 6, "wait_for": engine.go_file(label), **inputs}
+        for label, inputs in runs.items()
     ]
-    engine.spec = engine_spec(model, connector, [WARMUP, *steps], enable_prefix_caching=True)
+    engine.spec = engine_spec(model, connector, [WARMUP, *steps], enable_prefix_caching=True, max_lora_rank=8)
     return engine
 
 
@@ -71,14 +66,16 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
             s[f"chunks_after_{label}"] = client.stats()["chunks"]
         engine.finish()
 
+    lora = {"lora": {"name": "tuned", "id": 1, "path": str(make_lora(d / "adapter", model))}}
+    a, b = {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}
     try:
         run_all(
-            _engine(d, "first", model, url, {"a_cold": "tenant-a", "b_cold": "tenant-b", "plain_cold": None})
+            _engine(d, "first", model, url, {"a_cold": a, "b_cold": b, "plain_cold": {}, "lora_cold": lora})
         )
-        run_all(_engine(d, "fresh", model, url, {"a_warm": "tenant-a", "b_warm": "tenant-b"}))
+        run_all(_engine(d, "fresh", model, url, {"a_warm": a, "b_warm": b, "lora_warm": lora}))
         make_model(model, TINY, seed=1)  # new weights, same path, same config
-        run_all(_engine(d, "upgraded", model, url, {"upgraded": None}))
-        run_all(_engine(d, "upgraded_cold", model, None, {"upgraded_cold": None}))
+        run_all(_engine(d, "upgraded", model, url, {"upgraded": {}}))
+        run_all(_engine(d, "upgraded_cold", model, None, {"upgraded_cold": {}}))
     finally:
         for engine in engines:
             engine.kill()
@@ -86,13 +83,15 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
     return s
 
 
-def test_salts_never_share_and_each_hits_its_own_from_a_fresh_engine(story: dict[str, Any]) -> None:
-    for label in ("a_cold", "b_cold", "plain_cold"):  # neither vLLM's own cache nor kvpool gave any
+def test_salts_and_adapters_never_share_and_each_hits_its_own_from_a_fresh_engine(
+    story: dict[str, Any],
+) -> None:
+    for label in ("a_cold", "b_cold", "plain_cold", "lora_cold"):  # neither vLLM's cache nor kvpool gave any
         assert _out(story[label])["num_cached_tokens"] == 0, label
-    # each salt saved its own nine chunks (tenant A's were there already when B and the plain ran)
-    for label in ("a_cold", "b_cold", "plain_cold"):
+        # each saved its own nine chunks (tenant A's were there already when the others ran)
         assert story[f"chunks_after_{label}"] - story[f"chunks_before_{label}"] == 9, label
-    for warm, cold in (("a_warm", "a_cold"), ("b_warm", "b_cold")):  # a new engine: all from kvpool
+    assert _out(story["lora_cold"])["logprobs"] != _out(story["plain_cold"])["logprobs"]  # the adapter acts
+    for warm, cold in (("a_warm", "a_cold"), ("b_warm", "b_cold"), ("lora_warm", "lora_cold")):
         assert _out(story[warm])["num_cached_tokens"] == WARM_TOKENS, warm
         assert _out(story[warm])["token_ids"] == _out(story[cold])["token_ids"]
         assert _out(story[warm])["logprobs"] == _out(story[cold])["logprobs"]

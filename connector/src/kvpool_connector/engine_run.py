@@ -6,9 +6,10 @@ out of the caller) and several runs share one engine start-up.
 
 SPEC: {"model": dir, "block_size": 32, "kv_cache_bytes": N, "max_model_len": N,
        "connector": null | {"name": ..., "module": ..., "extra": {...}}, "scheduling_policy": "fcfs",
-       "max_num_batched_tokens": null, "enable_prefix_caching": false,
+       "max_num_batched_tokens": null, "enable_prefix_caching": false, "max_lora_rank": null,
        "runs": [{"label": str, "prompts": [[ids], ...], "max_tokens": 4, "priority": [..] | null,
                  "kv_transfer_params": {...} | null, "cache_salt": str | null,
+                 "lora": {"name": str, "id": int, "path": dir} | null,
                  "wait_for": path | null}, ...]}
 A run with "wait_for" starts when that file exists (the caller changes the world between runs);
 after each run "<OUT>.<label>.done" is written. OUT gets {"runs": [{"label", "seconds", "outputs":
@@ -48,6 +49,8 @@ def build_llm(spec: dict[str, Any]) -> Any:
             kv_connector_extra_config=c.get("extra", {}),
         )
     kwargs: dict[str, Any] = {}
+    if spec.get("max_lora_rank"):
+        kwargs.update(enable_lora=True, max_lora_rank=spec["max_lora_rank"], max_loras=1)
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True
@@ -69,6 +72,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
 
 def run_one(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
 
     extra = {"kv_transfer_params": run["kv_transfer_params"]} if run.get("kv_transfer_params") else None
     params = SamplingParams(
@@ -77,7 +81,10 @@ def run_one(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
     salt = {"cache_salt": run["cache_salt"]} if run.get("cache_salt") else {}
     prompts = [{"prompt_token_ids": ids, **salt} for ids in run["prompts"]]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, priority=run.get("priority"), use_tqdm=False)
+    lora = (
+        LoRARequest(run["lora"]["name"], run["lora"]["id"], run["lora"]["path"]) if run.get("lora") else None
+    )
+    outs = llm.generate(prompts, params, priority=run.get("priority"), lora_request=lora, use_tqdm=False)
     seconds = time.perf_counter() - t0
     results = []
     for out in outs:

@@ -66,6 +66,37 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     return directory
 
 
+def make_lora(directory: Path, base: Path, shape: ModelShape = TINY, seed: int = 0, rank: int = 8) -> Path:
+    """A random LoRA adapter (PEFT's format) on q, k and v of every layer of the model at `base`."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "target_modules": ["q_proj", "k_proj", "v_proj"],
+        "base_model_name_or_path": str(base),
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(seed)
+    kv = shape.kv_heads * shape.head_size
+    weights = {}
+    for layer in range(shape.layers):
+        for name, out in (("q_proj", shape.hidden), ("k_proj", kv), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, shape.hidden, generator=g) * 0.1
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.1
+    save_file(weights, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
 def _make_tokenizer(directory: Path, vocab: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
