@@ -148,6 +148,7 @@ EXPECTED_SOLO = {
                     "1073741824",
                     "--arena-dir",
                     "/var/run/kvpool",
+                    "--shared-group",
                 ],
                 "ports": [{"name": "kvpool-status", "containerPort": 7071, "protocol": "TCP"}],
                 "volumeMounts": [{"name": "kvpool-arena", "mountPath": "/var/run/kvpool"}],
@@ -160,6 +161,7 @@ EXPECTED_SOLO = {
                 "securityContext": {
                     "runAsNonRoot": True,
                     "runAsUser": 65532,
+                    "runAsGroup": 65532,
                     "allowPrivilegeEscalation": False,
                     "readOnlyRootFilesystem": True,
                     "capabilities": {"drop": ["ALL"]},
@@ -168,6 +170,7 @@ EXPECTED_SOLO = {
             }
         ],
         "volumes": [{"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1025Mi"}}],
+        "securityContext": {"supplementalGroups": [65532]},  # the arena's group, for vLLM too
     },
 }
 
@@ -356,7 +359,10 @@ def test_the_sidecar_parses_what_the_webhook_injects(backend: str) -> None:
     settings = parse_settings(sidecar["args"], environ=env)
     assert (settings.host, settings.port, settings.status_port) == ("127.0.0.1", 9100, 9101)
     assert settings.capacity == int(1.5 * 2**30)
-    assert str(settings.arena_dir) == "/var/run/kvpool"
+    assert str(settings.arena_dir) == "/var/run/kvpool" and settings.shared_group
+    # the arena's group: the sidecar runs with it and every container of the pod has it
+    assert sidecar["securityContext"]["runAsGroup"] == 65532
+    assert pod["spec"]["securityContext"]["supplementalGroups"] == [65532]
     if backend == "redis":
         assert str(settings.redis_urls_file) == "/etc/kvpool/redis/redis-urls"
         assert settings.redis_password == "s3cret" and settings.pool_key == b"s3cret"
@@ -364,3 +370,18 @@ def test_the_sidecar_parses_what_the_webhook_injects(backend: str) -> None:
     else:
         assert settings.redis_urls_file is None and settings.redis_password is None
         assert settings.pool_key is None and not settings.pool_key_required
+
+
+def test_the_arena_group_joins_the_pods_own_groups_once() -> None:
+    pool = parse_pool(NS, "solo", {"selector": {"matchLabels": {"app": "solo"}}})
+    pod = vllm_pod({"app": "solo"})
+    pod["spec"]["securityContext"] = {"runAsUser": 1000, "fsGroup": 2000, "supplementalGroups": [5]}
+    once = decide(pod, NS, [pool], OperatorSettings()).pod
+    assert once is not None
+    assert once["spec"]["securityContext"] == {
+        "runAsUser": 1000,
+        "fsGroup": 2000,
+        "supplementalGroups": [5, 65532],
+    }
+    twice = decide(once, NS, [pool], OperatorSettings()).pod
+    assert twice is not None and twice["spec"]["securityContext"] == once["spec"]["securityContext"]

@@ -53,13 +53,17 @@ def test_a_planted_symlink_or_hard_link_is_replaced_never_written_through(tmp_pa
         proc.stop()
 
 
-def test_files_are_group_only_in_a_directory_with_a_shared_group(tmp_path) -> None:
-    shared, private = tmp_path / "shared", tmp_path / "private"
-    shared.mkdir()
-    private.mkdir()
-    os.chmod(shared, 0o2770)  # what the kubelet makes of an emptyDir when the pod has an fsGroup
-    for directory, mode in ((shared, 0o660), (private, 0o666)):
-        proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory))
+def test_files_are_group_only_where_their_users_share_a_group(tmp_path) -> None:
+    fs_group, supplemental, private = tmp_path / "fsgroup", tmp_path / "supplemental", tmp_path / "private"
+    for directory in (fs_group, supplemental, private):
+        directory.mkdir()
+    os.chmod(fs_group, 0o2770)  # what the kubelet makes of an emptyDir when the pod has an fsGroup
+    for directory, flags, mode in (
+        (fs_group, [], 0o660),
+        (supplemental, ["--shared-group"], 0o660),  # what the operator injects
+        (private, [], 0o666),
+    ):
+        proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), *flags)
         try:
             assert _mode(directory / "arena") == mode
             assert _mode(directory / "control.sock") == mode

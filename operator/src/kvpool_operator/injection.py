@@ -22,7 +22,7 @@ from kvpool_operator.settings import OperatorSettings
 SIDECAR_OVERHEAD_BYTES = 256 * 2**20  # the sidecar process itself, beside its arena
 SIDECAR_CPU_REQUEST = "250m"
 ARENA_HEADROOM_BYTES = 2**20  # beside the arena file: the control socket, page rounding
-RUN_AS_USER = 65532  # any non-root uid: the arena emptyDir is world-writable
+RUN_AS_USER = 65532  # any non-root uid: the files it shares with vLLM belong to names.ARENA_GROUP
 
 
 @dataclass
@@ -87,6 +87,9 @@ def inject(pod: Mapping[str, Any], pool: Pool, settings: OperatorSettings) -> di
     else:
         spec.setdefault("initContainers", []).append(sidecar)
     spec.setdefault("volumes", []).extend(pod_volumes(pool))
+    groups = spec.setdefault("securityContext", {}).setdefault("supplementalGroups", [])
+    if names.ARENA_GROUP not in groups:  # every container gets it: vLLM can use the 0660 arena
+        groups.append(names.ARENA_GROUP)
 
     meta = result.setdefault("metadata", {})
     meta.setdefault("labels", {})[names.POOL_LABEL] = pool.name
@@ -97,7 +100,8 @@ def inject(pod: Mapping[str, Any], pool: Pool, settings: OperatorSettings) -> di
 
 
 def remove_injection(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of the pod without anything kvpool adds."""
+    """A copy of the pod without anything kvpool adds (but the arena group in supplementalGroups,
+    which inject() adds only when absent)."""
     result = copy.deepcopy(dict(pod))
     spec = result.get("spec") or {}
     ours = {names.ARENA_VOLUME, names.REDIS_URLS_VOLUME}
@@ -140,6 +144,7 @@ def sidecar_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
         "--status-port", str(pool.status_port),
         "--capacity", str(pool.capacity_bytes),  # plain bytes: no quantity dialect to disagree on
         "--arena-dir", names.ARENA_DIR,
+        "--shared-group",  # the pod gives every container the sidecar's group: files are 0660
     ]  # fmt: skip
     mounts = [{"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR}]
     env: list[dict[str, Any]] = []
@@ -175,6 +180,7 @@ def sidecar_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
+            "runAsGroup": names.ARENA_GROUP,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},

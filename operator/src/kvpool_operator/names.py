@@ -16,6 +16,9 @@ STATUS_PORT_ANNOTATION = "kvpool.dev/status-port"  # on injected pods: where the
 SIDECAR_CONTAINER = "kvpool-sidecar"
 ARENA_VOLUME = "kvpool-arena"
 ARENA_DIR = "/var/run/kvpool"
+# The group the arena and control socket belong to: the sidecar runs with it, and the pod's
+# supplementalGroups give it to the vLLM container too, so the files need not be world-writable.
+ARENA_GROUP = 65532
 REDIS_URLS_VOLUME = "kvpool-redis-urls"
 REDIS_URLS_DIR = "/etc/kvpool/redis"
 KV_TRANSFER_FLAG = "--kv-transfer-config"

@@ -14,14 +14,15 @@ from kvpool_sidecar.wire import ARENA_FILE, map_populated
 log = logging.getLogger(__name__)
 
 
-def file_mode(directory: Path) -> int:
+def file_mode(directory: Path, shared_group: bool) -> int:
     """The mode of the arena and the control socket in `directory`.
 
-    A directory with the set-group-ID bit (a pod's emptyDir with an fsGroup) gives its files a group
-    every container of the pod has: 0660, nobody else. Without it the vLLM container may run as any
-    user with no group in common: 0666, and the directory must be private to the pod (an emptyDir
-    only the sidecar and the vLLM container mount)."""
-    return 0o660 if directory.stat().st_mode & stat.S_ISGID else 0o666
+    Group-only (0660) where the files get a group every user of the arena has: this process's own
+    when `shared_group` says so (the operator puts the sidecar's group in the pod's
+    supplementalGroups), or the directory's when it has the set-group-ID bit (an emptyDir with a pod
+    fsGroup). Otherwise the vLLM container may run as any user with no group in common: 0666, and the
+    directory must be private to the pod (an emptyDir only the sidecar and vLLM mount)."""
+    return 0o660 if shared_group or directory.stat().st_mode & stat.S_ISGID else 0o666
 
 
 def check_directory(directory: Path) -> None:
@@ -62,11 +63,11 @@ def _open_own(path: Path, mode: int) -> int:
 class Arena:
     """A writable mapping of `<dir>/arena`. In a pod the dir is an emptyDir with medium Memory (tmpfs)."""
 
-    def __init__(self, directory: Path, size: int) -> None:
+    def __init__(self, directory: Path, size: int, shared_group: bool = False) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         check_directory(directory)
         self.path = directory / ARENA_FILE
-        self.mode = file_mode(directory)
+        self.mode = file_mode(directory, shared_group)
         self.size = size
         # The same file across sidecar restarts (an emptyDir outlives its containers): a client
         # that still maps it keeps a valid mapping, and memory is not held twice. Its old bytes are

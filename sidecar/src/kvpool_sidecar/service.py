@@ -23,7 +23,7 @@ class Sidecar:
 
     @classmethod
     def build(cls, settings: Settings) -> Sidecar:
-        arena = Arena(settings.arena_dir, settings.capacity)
+        arena = Arena(settings.arena_dir, settings.capacity, settings.shared_group)
         store = Store(arena, lease_seconds=settings.lease_seconds)
         sidecar = cls(settings, arena, store)
         if (

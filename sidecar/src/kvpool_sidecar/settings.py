@@ -38,6 +38,7 @@ class Settings:
     redis_password: str | None = field(default=None, repr=False)
     pool_key: bytes | None = field(default=None, repr=False)  # authenticates chunks in Redis (see redis_tier)
     pool_key_required: bool = False  # without a key, keep Redis off rather than trust it
+    shared_group: bool = False  # every container that uses the arena has this process's group
     max_chunk_bytes: int = 64 * 2**20
     lease_seconds: float = 30.0
     status_host: str = "0.0.0.0"
@@ -105,6 +106,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="write-behind queue length; saves beyond it are not written to Redis (counted)",
     )
     p.add_argument(
+        "--shared-group",
+        action="store_true",
+        default=_env(environ, "shared-group") in ("1", "true", "yes"),
+        help="the arena's users all have this process's group (a pod's supplementalGroups): files are 0660",
+    )
+    p.add_argument(
         "--pool-key-required",
         action="store_true",
         default=_env(environ, "pool-key-required") in ("1", "true", "yes"),
@@ -135,6 +142,7 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         redis_password=_env(environ, "redis-password"),
         pool_key=key.encode() if (key := _env(environ, "pool-key")) else None,
         pool_key_required=ns.pool_key_required,
+        shared_group=ns.shared_group,
         max_chunk_bytes=ns.max_chunk_bytes,
         lease_seconds=ns.lease_seconds,
         status_host=ns.status_host,
