@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpool_connector.tinymodel import TINY, make_model
+from kvpool_sidecar.client import SidecarClient
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("model") / "tiny-llama", TINY)
+
+
+@pytest.fixture
+def sidecar(sidecar_factory) -> Iterator[tuple[str, SidecarClient]]:
+    """A real sidecar process for the scheduler tests: its URL and a client."""
+    proc = sidecar_factory("16Mi")
+    client = SidecarClient(proc.info["url"], timeout=5)
+    yield proc.info["url"], client
+    client.close()

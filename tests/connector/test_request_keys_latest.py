@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +35,6 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 
 TOKENS = prompt(96, 21)  # three chunks of 32
-
-
-@pytest.fixture
-def sidecar(sidecar_factory) -> Iterator[tuple[str, SidecarClient]]:
-    proc = sidecar_factory("16Mi")
-    client = SidecarClient(proc.info["url"], timeout=5)
-    yield proc.info["url"], client
-    client.close()
 
 
 def image(identifier: Any, offset: int = 40, length: int = 16) -> list[MultiModalFeatureSpec]:

@@ -3,11 +3,7 @@ real sidecar process: every request finishes and every block is freed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-
-from kvpool_sidecar.client import SidecarClient
 
 pytestmark = pytest.mark.vllm_latest
 
@@ -24,14 +20,6 @@ from schedkit import (  # noqa: E402
     store_chunks,
 )
 from vllm.v1.request import RequestStatus  # noqa: E402
-
-
-@pytest.fixture
-def sidecar(sidecar_factory) -> Iterator[tuple[str, SidecarClient]]:
-    proc = sidecar_factory("16Mi")
-    client = SidecarClient(proc.info["url"], timeout=5)
-    yield proc.info["url"], client
-    client.close()
 
 
 def test_full_prompt_hit_recomputes_the_last_token(tiny_model, sidecar) -> None:

@@ -52,6 +52,10 @@ def _env(environ: Mapping[str, str], flag: str) -> str | None:
     return value if value not in (None, "") else None
 
 
+def _env_flag(environ: Mapping[str, str], flag: str) -> bool:
+    return _env(environ, flag) in ("1", "true", "yes")
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     d = Settings()
 
@@ -108,13 +112,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     p.add_argument(
         "--shared-group",
         action="store_true",
-        default=_env(environ, "shared-group") in ("1", "true", "yes"),
+        default=_env_flag(environ, "shared-group"),
         help="the arena's users all have this process's group (a pod's supplementalGroups): files are 0660",
     )
     p.add_argument(
         "--pool-key-required",
         action="store_true",
-        default=_env(environ, "pool-key-required") in ("1", "true", "yes"),
+        default=_env_flag(environ, "pool-key-required"),
         help="refuse the Redis tier unless KVPOOL_POOL_KEY (the pool's secret, env only) is set",
     )
     p.add_argument("--log-level", default=default("log-level", d.log_level))
