@@ -168,7 +168,7 @@ mm = [MultiModalFeatureSpec(None, "image", "h", PlaceholderRange(offset=40, leng
 lora = LoRARequest("a", 1, "/nowhere")
 req = make_request(prompt(96, 3), cache_salt="s", lora_request=lora, mm_features=mm)
 emb = make_request(None, prompt_embeds=torch.arange(96 * 128, dtype=torch.float32).reshape(96, 128))
-print(json.dumps([chunk_keys(ns, r.all_token_ids, extras=request_extras(r)) for r in (req, emb)]))
+print(json.dumps([chunk_keys(ns, r.all_token_ids, extras=request_extras(r, 16)) for r in (req, emb)]))
 """
 
 

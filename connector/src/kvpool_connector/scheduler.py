@@ -86,7 +86,7 @@ class KVPoolScheduler:
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = self.reqs[request.request_id] = _ReqState(request, request_extras(request))
+            st = self.reqs[request.request_id] = _ReqState(request, request_extras(request, self.block_size))
         return st
 
     # --- lookups ---------------------------------------------------------------------------------
