@@ -50,7 +50,6 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.cfg, warnings = load_config(extra)
         for w in warnings:
             log.warning(w)
-        stored_group(kv_cache_config, self.cfg.chunk_size)
         self._layer_names = layer_names(kv_cache_config)
         self._num_blocks = kv_cache_config.num_blocks
         self.scheduler: KVPoolScheduler | None = None
@@ -61,6 +60,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             )
             self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size)
         else:
+            stored_group(kv_cache_config, self.cfg.chunk_size)  # the scheduler's namespace checks it too
             self.worker = KVPoolWorker(
                 self.cfg, _worker_rank(vllm_config.parallel_config.tensor_parallel_size)
             )
