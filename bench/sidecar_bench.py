@@ -58,7 +58,7 @@ def arena_and_http(c: SidecarClient, size: int, keys: Keys) -> None:
         slots = c.reserve([(k, size) for k in batch])
         for s, data in zip(slots, payloads, strict=True):
             arena[s.offset : s.offset + s.length] = data
-        c.commit(slots)
+        c.commit([(s, checksum(d)) for s, d in zip(slots, payloads, strict=True)])
 
     line("arena save (reserve, copy in, commit)", compare(count * size, save, setup=fresh))
     dst = [memoryview(bytearray(size)) for _ in range(count)]  # memoryview: a plain memcpy on assignment
@@ -97,7 +97,7 @@ def arena_and_http(c: SidecarClient, size: int, keys: Keys) -> None:
 def lookup_and_control(c: SidecarClient, url: str, arena_dir: str, keys: Keys) -> None:
     batch = keys.take(64)
     slots = c.reserve([(k, 4096) for k in batch])
-    c.commit(slots)
+    c.commit([(s, checksum(bytes(4096))) for s in slots])  # a fresh arena holds zeros
     for mode in ("http", "socket"):
         cc = SidecarClient(url, timeout=10, shm_path=arena_dir, control=mode)
         p50, p99 = latencies_ms(lambda cc=cc: cc.lookup(batch), 2000)

@@ -7,7 +7,7 @@ import json
 import urllib.error
 import urllib.request
 
-from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.client import SidecarClient, checksum
 
 
 def key(i: int, tag: str = "a") -> str:
@@ -27,7 +27,7 @@ def save(c: SidecarClient, chunks: dict[str, bytes], priority: int = 0) -> list[
     written = [s for s in slots if s is not None]
     for s in written:
         arena[s.offset : s.offset + s.length] = chunks[s.key]
-    c.commit(written)
+    assert all(c.commit([(s, checksum(chunks[s.key])) for s in written]))
     return [s.key for s in written]
 
 

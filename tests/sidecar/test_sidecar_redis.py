@@ -10,6 +10,7 @@ from kvtest import RedisServer, redis_call, redis_with, wait_until
 from sidecar_support import key, load, payload, redis_stats, save
 
 from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.redis_tier import chunk_key
 
 
 def client(proc) -> SidecarClient:
@@ -63,7 +64,7 @@ def test_redis_stopped_mid_run_then_back_on_the_same_port(sidecar_factory, redis
     save(c, after)
     wait_until(lambda: redis_stats(c)["written"] == 6, 30, "write-behind after the outage")
     for k in after:
-        assert b":1" in redis_call(redis.port, "EXISTS", f"kvpool:{{{k}}}:m")
+        assert b":1" in redis_call(redis.port, "EXISTS", chunk_key(k))
 
 
 def test_write_behind_never_blocks_a_save_and_counts_what_it_drops(sidecar_factory, redis) -> None:
@@ -90,7 +91,7 @@ def test_rendezvous_sharding_across_two_redis(sidecar_factory, redis) -> None:
         save(ca, chunks)
         wait_until(lambda: redis_stats(ca)["written"] == 40, 30, "write-behind of 40 chunks")
         counts = [int(redis_call(p, "DBSIZE").strip(b":\r\n")) for p in (redis.port, port2)]
-        assert all(n > 0 for n in counts) and sum(counts) == 80  # 40 metas + 40 pieces
+        assert all(n > 0 for n in counts) and sum(counts) == 40  # one Redis key per chunk
         assert load(cb, list(chunks)) == chunks
 
 
@@ -149,10 +150,14 @@ def test_a_chunk_changed_in_redis_is_never_served(sidecar_factory, redis) -> Non
     k = key(1, "x")
     save(ca, {k: payload(20_000, 1)})
     wait_until(lambda: redis_stats(ca)["written"] == 1, 30, "write-behind")
-    redis_call(redis.port, "SETRANGE", f"kvpool:{{{k}}}:0", "100", "tampered")
+    tampered = bytearray(payload(20_000, 1))
+    tampered[100:108] = b"tampered"
+    redis_call(redis.port, "HSET", chunk_key(k), "0", bytes(tampered))
     assert load(cb, [k]) == {}
-    assert cb.get(k) is None
-    assert cb.stats()["corrupt_dropped"] == 2
+    assert cb.stats()["corrupt_dropped"] == 1
+    # deleted from Redis, so no pod keeps finding it, fetching it and failing on it
+    wait_until(lambda: b":0" in redis_call(redis.port, "EXISTS", chunk_key(k)), 10, "the bad chunk deleted")
+    assert cb.get(k) is None and cb.lookup([k]) == 0
 
 
 def test_redis_absent_at_start_then_up(sidecar_factory) -> None:
@@ -190,16 +195,15 @@ def test_a_chunk_planted_without_the_pool_key_is_never_loaded(sidecar_factory, r
     planted, other_pool = key(1, "planted"), key(2, "other-pool")
     # bytes with a valid checksum and the pool's meta format, from something without the pool's key
     evil = payload(30_000, 66)
-    meta = struct.pack(">4sQQiI16s", b"KVP2", len(evil), checksum(evil), 0, 1, b"\x07" * 16)
-    redis_call(redis.port, "SET", f"kvpool:{{{planted}}}:0", evil)
-    redis_call(redis.port, "SET", f"kvpool:{{{planted}}}:m", meta)
+    meta = struct.pack(">4sQQiI16s", b"KVP3", len(evil), checksum(evil), 0, 1, b"\x07" * 16)
+    redis_call(redis.port, "HSET", chunk_key(planted), "0", evil, "m", meta)
     # and a chunk written by a sidecar of another pool (another key) into the same Redis
     stranger = client(sidecar_factory("16Mi", [redis.url], env={"KVPOOL_POOL_KEY": "pool-b-secret"}))
     save(stranger, {other_pool: payload(30_000, 77)})
     wait_until(lambda: redis_stats(stranger)["written"] == 1, 30, "the other pool's write-behind")
     assert load(cb, [planted]) == {} and load(cb, [other_pool]) == {} and cb.get(planted) is None
     assert redis_stats(cb)["auth_failures"] == 2 and redis_stats(cb)["authenticated"] is True
-    assert b":0" in redis_call(redis.port, "EXISTS", f"kvpool:{{{planted}}}:m")  # deleted, not kept
+    assert b":0" in redis_call(redis.port, "EXISTS", chunk_key(planted))  # deleted, not kept
     # the pool's own chunk under that key is then written behind by one pod and shared byte for byte
     real = payload(30_000, 1)
     save(ca, {planted: real})

@@ -11,6 +11,7 @@ from kvtest import start_sidecar
 from sidecar_support import key, payload
 
 from kvpool_sidecar.client import SidecarClient, SidecarError, checksum
+from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
 
 def test_arena_round_trip_gives_identical_bytes(sidecar_factory) -> None:
@@ -24,7 +25,7 @@ def test_arena_round_trip_gives_identical_bytes(sidecar_factory) -> None:
         arena = c.arena()
         for s in slots:
             arena[s.offset : s.offset + s.length] = chunks[s.key]
-        c.commit(slots)
+        assert c.commit([(s, checksum(chunks[s.key])) for s in slots]) == [True] * len(slots)
         assert c.lookup(keys) == len(keys)
         assert c.lookup([*keys[:3], key(99), *keys[3:]]) == 3  # a prefix, not a count
         pinned = c.pin(keys)
@@ -66,13 +67,19 @@ def test_arena_path_found_through_v1_arena_and_http_control(sidecar_factory, tmp
     proc = sidecar_factory("8Mi")
     c = SidecarClient(proc.info["url"])
     info = c._json("GET", "/v1/arena")
-    assert info["path"] == str(proc.info["arena_dir"] / "arena") and info["size"] == 8 * 2**20
+    assert info["path"] == str(proc.info["arena_dir"] / "arena") and info["size"] == ARENA_HEADER_BYTES + 8 * 2**20
     (slot,) = c.reserve([(key(5), 1000)])
     c.arena()[slot.offset : slot.offset + 1000] = b"x" * 1000
-    c.commit([slot])
+    assert c.commit([(slot, checksum(b"x" * 1000))]) == [True]
     # the HTTP transport of the same operations
     answer = c._json("POST", "/v1/arena/pin", {"keys": [key(5)]})
-    expected = {"key": key(5), "offset": slot.offset, "length": 1000, "checksum": checksum(b"x" * 1000)}
+    expected = {
+        "key": key(5),
+        "offset": slot.offset,
+        "length": 1000,
+        "gen": 0,  # a pinned slot is no reservation
+        "checksum": checksum(b"x" * 1000),
+    }
     assert answer["slots"] == [expected]
     assert c._json("POST", "/v1/arena/verify", {"keys": [key(5)]}) == {"dropped": []}
     c._json("POST", "/v1/arena/release", {"lease": answer["lease"]})
@@ -94,7 +101,7 @@ def test_arena_dir_too_deep_for_a_unix_socket_falls_back_to_http_control(tmp_pat
         data = payload(5000, 7)
         (slot,) = c.reserve([(key(9), len(data))])
         c.arena()[slot.offset : slot.offset + len(data)] = data
-        c.commit([slot])
+        c.commit([(slot, checksum(data))])
         assert c.lookup([key(9), key(10)]) == 1  # POST /v1/lookup when there is no socket
         pinned = c.pin([key(9)])
         assert [bytes(c.arena()[s.offset : s.offset + s.length]) for s in pinned.slots] == [data]
@@ -127,7 +134,7 @@ def rank_workload(url: str, r: int) -> None:
         for s in slots:
             if s is not None:
                 arena[s.offset : s.offset + s.length] = data[s.key]
-        c.commit([s for s in slots if s is not None])
+        c.commit([(s, checksum(data[s.key])) for s in slots if s is not None])
         pinned = c.pin(keys[:4])
         assert [s.key for s in pinned.slots] == keys[:4]
         for s in pinned.slots:
@@ -185,7 +192,7 @@ def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
     c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(arena_dir))
     (slot,) = c.reserve([(key(1, "e"), 1000)])
     c.arena()[slot.offset : slot.offset + 1000] = b"1" * 1000
-    c.commit([slot])
+    c.commit([(slot, checksum(b"1" * 1000))])
     inode = os.stat(arena_dir / "arena").st_ino
     proc.stop()
     with pytest.raises(SidecarError):
@@ -196,7 +203,7 @@ def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
         assert c.lookup([key(1, "e")]) == 0  # an empty index: old bytes are never trusted
         (slot,) = c.reserve([(key(2, "e"), 1000)])
         c.arena()[slot.offset : slot.offset + 1000] = b"2" * 1000
-        c.commit([slot])
+        assert c.commit([(slot, checksum(b"2" * 1000))]) == [True]
         pinned = c.pin([key(2, "e")])
         s = pinned.slots[0]
         assert bytes(c.arena()[s.offset : s.offset + s.length]) == b"2" * 1000

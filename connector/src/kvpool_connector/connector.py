@@ -41,11 +41,24 @@ def _worker_rank(tp_size: int) -> int:
         return 0
 
 
+def check_failure_policy(kv_transfer_config: Any) -> None:
+    """kvpool is a best-effort cache: a chunk evicted between lookup and load, or one that fails its
+    checksum, must be recomputed. vLLM's default policy fails the user's request instead."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise ValueError(
+            f"KVPoolConnector needs kv_load_failure_policy='recompute' in --kv-transfer-config (it is "
+            f"{policy!r}): with {policy!r} every cache race (a chunk evicted between lookup and load) "
+            "fails a user request instead of recomputing it. The kvpool operator injects 'recompute'."
+        )
+
+
 class KVPoolConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        check_failure_policy(self._kv_transfer_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.cfg, warnings = load_config(extra)
         for w in warnings:
@@ -83,17 +96,18 @@ class KVPoolConnector(KVConnectorBase_V1):
         return meta
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._meta()
-        self.worker.start_load(meta)
-        self.worker.begin_step(meta)
+        self.worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self.worker.wait_layer(layer_name)
+        pass  # loads are asynchronous: a loading request is not in the forward
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, (self.worker.get_finished() or None)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self.worker.save_layer(layer_name)
+        self.worker.save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():

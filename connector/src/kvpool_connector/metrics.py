@@ -10,6 +10,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 COUNTERS = (
     "lookups",  # scheduler: lookup round trips
     "lookup_errors",  # scheduler: lookups that failed or timed out (counted as misses)
+    "lookups_skipped",  # scheduler: lookups not asked while the breaker was open (counted as misses)
     "hit_tokens",  # scheduler: tokens offered to vLLM from the sidecar
     "unkeyable_requests",  # scheduler: requests with an input kvpool cannot key (not loaded or saved)
     "loaded_chunks",
@@ -21,6 +22,7 @@ COUNTERS = (
     "saved_bytes",
     "save_seconds",
     "save_skipped_chunks",  # already stored, no room, or sidecar unreachable
+    "save_refused_chunks",  # commits refused: the reservation was no longer this writer's
     "sidecar_errors",  # worker: failed sidecar calls
 )
 

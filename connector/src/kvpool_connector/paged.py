@@ -11,6 +11,8 @@ The chunk namespace names the layout, so the two formats never meet.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -79,6 +81,14 @@ class PagedLayer:
             n = block_ids.numel()
             values = src.reshape(-1).view(self.cache.dtype).view(n, *self.cache.shape[1:])
             self.cache.index_copy_(0, block_ids, values)
+
+    def block_buffers(self, block_ids: list[int]) -> list[Any]:
+        """The bytes of blocks `block_ids` in the order gather() writes them, as buffers to hash
+        (CPU only): the pages themselves when dense, else one copy in logical order."""
+        if self.dense:
+            return [self.pages[b].numpy() for b in block_ids]
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        return [self.cache.index_select(0, ids).contiguous().view(torch.uint8).reshape(-1).numpy()]
 
 
 def physical_order(cache: torch.Tensor) -> str:

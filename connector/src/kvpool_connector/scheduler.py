@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SKIP_SAVE_PARAM = "kvpool.skip_save"
+# After a lookup fails (the sidecar hung or gone), lookups are misses without asking for this long:
+# a lookup runs inside vLLM's schedule(), so each one that waits out its timeout stalls every request.
+BREAKER_SECONDS = 5.0
 
 
 @dataclass
@@ -38,10 +43,20 @@ class _ReqState:
 
 
 class KVPoolScheduler:
-    def __init__(self, cfg: KVPoolConfig, namespace: Namespace, block_size: int):
+    def __init__(
+        self,
+        cfg: KVPoolConfig,
+        namespace: Namespace,
+        block_size: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.cfg = cfg
         self.block_size = block_size
         self.seed = namespace.seed()
+        # every rank that stores a copy of each chunk: a hit means all of them have it
+        self.ranks = namespace.tp_size * namespace.pp_size
+        self._clock = clock
+        self._breaker_until = 0.0
         self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
         self.reqs: dict[str, _ReqState] = {}
         self.stats = KVPoolStats()
@@ -104,20 +119,27 @@ class KVPoolScheduler:
         links = self._links(st, spans)
         if links is None:
             return 0, False
-        keys = [rank_key(link, 0) for link in links]
+        if self._clock() < self._breaker_until:
+            self.stats.add("lookups_skipped")
+            return 0, False
+        # chunk by chunk, every rank's key: the prefix found, in whole chunks, is what all ranks have
+        keys = [rank_key(link, r) for link in links for r in range(self.ranks)]
         self.stats.add("lookups")
         try:
-            hits = self.client.lookup(keys)
+            hits = self.client.lookup(keys) // self.ranks
         except SidecarError as e:  # an unreachable or slow sidecar is a miss
             self.stats.add("lookup_errors")
-            log.warning("kvpool lookup failed, treating as a miss: %s", e)
+            self._breaker_until = self._clock() + BREAKER_SECONDS
+            log.warning("kvpool lookup failed: misses for the next %.0f s: %s", BREAKER_SECONDS, e)
             return 0, False
         hit_spans = spans[: max(0, min(hits, len(spans)))]
         end = min(hit_spans[-1][1], limit) if hit_spans else 0
         if end <= num_computed_tokens:
             return 0, False
         st.lookup = (num_computed_tokens, hit_spans)
-        return end - num_computed_tokens, False
+        # Loaded asynchronously: the request computes nothing until every rank has loaded and
+        # checked its chunks, and vLLM has taken back the blocks that failed (see worker.py).
+        return end - num_computed_tokens, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -125,6 +147,9 @@ class KVPoolScheduler:
         st = self._state(request)
         if num_external_tokens == 0:  # nothing to load (also the second call after an async load)
             return
+        # The request is not scheduled while it loads, so its blocks come from here, not from
+        # the step's scheduled requests.
+        st.block_ids = list(blocks.get_block_ids()[0])
         if st.lookup is None:  # vLLM offers only what we matched; never load without a lookup
             log.warning(
                 "kvpool: %d external tokens for %s without a lookup", num_external_tokens, request.request_id
@@ -139,6 +164,10 @@ class KVPoolScheduler:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPoolMetadata:
         meta = KVPoolMetadata()
+        for st in self.reqs.values():  # loads of requests waiting for them (not scheduled this step)
+            if st.load is not None:
+                meta.loads.append(self._load_spec(st))
+                st.load = None
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             if (st := self.reqs.get(new.req_id)) is not None:
@@ -156,9 +185,6 @@ class KVPoolScheduler:
             computed[req_id] = cached.num_computed_tokens[i]
         for req_id, num_computed in computed.items():
             st = self.reqs[req_id]
-            if st.load is not None:
-                meta.loads.append(self._load_spec(st))
-                st.load = None
             end = num_computed + so.num_scheduled_tokens.get(req_id, 0)
             if (save := self._save_spec(st, end)) is not None:
                 meta.saves.append(save)

@@ -14,10 +14,11 @@ def _round_up(n: int) -> int:
 class Allocator:
     """Not thread-safe by itself: the store calls it under its lock."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, base: int = 0) -> None:
+        """Extents of [base, base + capacity)."""
         self.capacity = capacity
-        self._starts: list[int] = [0] if capacity > 0 else []  # sorted free extent starts
-        self._lengths: dict[int, int] = {0: capacity} if capacity > 0 else {}
+        self._starts: list[int] = [base] if capacity > 0 else []  # sorted free extent starts
+        self._lengths: dict[int, int] = {base: capacity} if capacity > 0 else {}
         self.free_bytes = capacity
 
     def footprint(self, length: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
+import xxhash
 from fastapi import FastAPI, Header, HTTPException, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -125,6 +126,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
             raise HTTPException(507, "no room for this chunk even after eviction")
         if result is PutResult.BUSY:
             raise HTTPException(409, "another client is writing this chunk right now")
+        if result is PutResult.EXPIRED:
+            raise HTTPException(409, "the chunk's reservation expired while its body was sent: not stored")
         created = result is PutResult.CREATED
         return JSONResponse(
             {"key": key, "stored": True, "created": created}, status_code=201 if created else 200
@@ -162,20 +165,24 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         view = store.arena.view
         pos = slot.offset
         end = slot.offset + slot.length
+        digest = xxhash.xxh3_64()  # over the body as received, never over the arena
         try:
             async for piece in _stream(request):
                 if pos + len(piece) > end:
                     raise BodyError(400, "body longer than its Content-Length")
+                # a slow body may outlive its reservation: then the extent may be another chunk's
+                if not store.renew(slot):
+                    await _drain(request, drain_limit)
+                    return PutResult.EXPIRED
                 view[pos : pos + len(piece)] = piece
+                digest.update(piece)
                 pos += len(piece)
             if pos != end:
                 raise BodyError(400, f"body of {pos - slot.offset} bytes, Content-Length said {length}")
         except BaseException:
             store.abort([slot])
             raise
-        if slot.length > 1 << 20:  # hashing a big chunk: off the loop
-            return await run_in_threadpool(store.commit_one, slot)
-        return store.commit_one(slot)
+        return store.commit_one(slot, digest.intdigest())
 
     async def _drain(request: Request, limit: int) -> None:
         seen = 0

@@ -6,10 +6,11 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import stat
 from pathlib import Path
 
-from kvpool_sidecar.wire import ARENA_FILE, map_populated
+from kvpool_sidecar.wire import ARENA_FILE, ARENA_HEADER, ARENA_HEADER_BYTES, ARENA_MAGIC, map_populated
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,19 @@ def _open_own(path: Path, mode: int) -> int:
 
 
 class Arena:
-    """A writable mapping of `<dir>/arena`. In a pod the dir is an emptyDir with medium Memory (tmpfs)."""
+    """A writable mapping of `<dir>/arena`. In a pod the dir is an emptyDir with medium Memory (tmpfs).
 
-    def __init__(self, directory: Path, size: int, shared_group: bool = False) -> None:
+    The file is a header page (see wire.ARENA_HEADER) and `capacity` bytes of chunks after it."""
+
+    def __init__(self, directory: Path, capacity: int, shared_group: bool = False) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         check_directory(directory)
         self.path = directory / ARENA_FILE
         self.mode = file_mode(directory, shared_group)
-        self.size = size
+        self.capacity = capacity
+        self.base = ARENA_HEADER_BYTES  # the first chunk byte
+        self.size = size = ARENA_HEADER_BYTES + capacity
+        self.epoch = secrets.randbits(63) + 1
         # The same file across sidecar restarts (an emptyDir outlives its containers): a client
         # that still maps it keeps a valid mapping, and memory is not held twice. Its old bytes are
         # never trusted: the index starts empty, and every chunk is checksummed before it is served.
@@ -88,6 +94,9 @@ class Arena:
         finally:
             os.close(fd)
         self.view = memoryview(self._mmap)
+        # A client still mapping this file from before a restart sees the new epoch at once, and so
+        # refuses every offset it was handed by the old sidecar.
+        ARENA_HEADER.pack_into(self.view, 0, ARENA_MAGIC, self.epoch)
 
     def close(self) -> None:
         self.view.release()

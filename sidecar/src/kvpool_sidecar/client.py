@@ -2,7 +2,9 @@
 
 Standard library and xxhash only (it runs inside vLLM). Thread-safe: connections are taken from a
 small pool per client, so many threads (and many processes, each with its own client) may call at
-once. Any failure is a SidecarError, which callers turn into a miss.
+once. Every failure is a SidecarError of one of two kinds: SidecarUnavailable (the sidecar cannot be
+reached, or is slow: a miss, and perhaps a reconnect) and SidecarRefused (it answered that the request
+is wrong: a bug in the caller, never retried).
 
 Lookups and arena control messages (reserve/commit/abort/pin/verify/release) go over the Unix socket
 in the arena directory when it can be reached, else over HTTP; bench/sidecar_bench.py measures both.
@@ -36,13 +38,33 @@ from kvpool_sidecar.wire import (
     slot_to_json,
 )
 
-__all__ = ["Pinned", "SidecarClient", "SidecarError", "Slot", "checksum"]
+__all__ = [
+    "Pinned",
+    "SidecarClient",
+    "SidecarError",
+    "SidecarRefused",
+    "SidecarUnavailable",
+    "Slot",
+    "checksum",
+]
 
 C = TypeVar("C")
 
 
 class SidecarError(Exception):
-    """Any failure talking to the sidecar (connect, timeout, bad status); callers turn it into a miss."""
+    """Any failure talking to the sidecar; callers turn it into a miss."""
+
+
+class SidecarUnavailable(SidecarError):
+    """The sidecar cannot be reached, timed out, or failed (5xx): try again later, reconnecting."""
+
+
+class SidecarRefused(SidecarError):
+    """The sidecar refused the request as wrong (4xx): a caller's bug; retrying cannot help."""
+
+
+def _status_error(status: int, message: str) -> SidecarError:
+    return SidecarRefused(message) if 400 <= status < 500 else SidecarUnavailable(message)
 
 
 class _Pool:
@@ -146,19 +168,19 @@ class SidecarClient:
             except _Retry:
                 continue
             except (OSError, http.client.HTTPException) as e:
-                raise SidecarError(f"{method} {self.url}{path}: {e!r}") from e
-        raise SidecarError(f"{method} {self.url}{path}: connection lost")
+                raise SidecarUnavailable(f"{method} {self.url}{path}: {e!r}") from e
+        raise SidecarUnavailable(f"{method} {self.url}{path}: connection lost")
 
     def _json(self, method: str, path: str, payload: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
         body = json.dumps(payload).encode() if payload is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
         status, data = self._request(method, path, body, headers)
         if status not in ok:
-            raise SidecarError(f"{method} {path}: HTTP {status}: {_error_text(data)}")
+            raise _status_error(status, f"{method} {path}: HTTP {status}: {_error_text(data)}")
         try:
             return json.loads(data) if data else {}
         except ValueError as e:
-            raise SidecarError(f"{method} {path}: answer is not JSON") from e
+            raise SidecarUnavailable(f"{method} {path}: answer is not JSON") from e
 
     def _socket_pool(self) -> _Pool | None:
         """The Unix-socket pool, if the control socket exists where this process sees the arena."""
@@ -168,7 +190,7 @@ class SidecarClient:
             if path and os.path.exists(path):
                 self._sock = _Pool(lambda: self._connect_unix(path), _close_quietly)
             elif self._control_mode == "socket":
-                raise SidecarError(f"no control socket at {path}")
+                raise SidecarUnavailable(f"no control socket at {path}")
         return self._sock
 
     def _connect_unix(self, path: str) -> socket.socket:
@@ -204,18 +226,18 @@ class SidecarClient:
                         raise
                     (size,) = FRAME_HEADER.unpack(header)
                     if size > MAX_FRAME_BYTES:
-                        raise SidecarError("control frame too large")
+                        raise SidecarUnavailable("control frame too large")
                     answer = json.loads(_recv_exactly(sock, size))
             except _Retry:
                 continue
             except (OSError, EOFError, ValueError) as e:
-                raise SidecarError(f"control {op} over {self._socket_path_hint()}: {e!r}") from e
-            if answer.get("status") != 200:
-                raise SidecarError(
-                    f"control {op}: {answer.get('status')}: {answer.get('body', {}).get('error')}"
-                )
+                raise SidecarUnavailable(f"control {op} over {self._socket_path_hint()}: {e!r}") from e
+            status = answer.get("status")
+            if status != 200:
+                message = f"control {op}: {status}: {answer.get('body', {}).get('error')}"
+                raise _status_error(status if isinstance(status, int) else 500, message)
             return answer["body"]
-        raise SidecarError(f"control {op}: connection lost")
+        raise SidecarUnavailable(f"control {op}: connection lost")
 
     def _socket_path_hint(self) -> str:
         return os.path.join(self._shm_path, CONTROL_SOCKET) if self._shm_path else "the control socket"
@@ -254,7 +276,7 @@ class SidecarClient:
             return True
         if status == 507:
             return False
-        raise SidecarError(f"PUT chunk {key}: HTTP {status}: {_error_text(body)}")
+        raise _status_error(status, f"PUT chunk {key}: HTTP {status}: {_error_text(body)}")
 
     def get(self, key: str) -> bytes | None:
         status, body = self._request("GET", f"/v1/chunks/{key}")
@@ -262,7 +284,7 @@ class SidecarClient:
             return body
         if status == 404:
             return None
-        raise SidecarError(f"GET chunk {key}: HTTP {status}: {_error_text(body)}")
+        raise _status_error(status, f"GET chunk {key}: HTTP {status}: {_error_text(body)}")
 
     def delete(self, key: str) -> bool:
         status, body = self._request("DELETE", f"/v1/chunks/{key}")
@@ -270,7 +292,7 @@ class SidecarClient:
             return True
         if status == 404:
             return False
-        raise SidecarError(f"DELETE chunk {key}: HTTP {status}: {_error_text(body)}")
+        raise _status_error(status, f"DELETE chunk {key}: HTTP {status}: {_error_text(body)}")
 
     # --- zero-copy arena path: one round trip per batch ---------------------------------------------
 
@@ -290,7 +312,7 @@ class SidecarClient:
             try:
                 st = os.stat(path)
             except OSError as e:
-                raise SidecarError(f"cannot find the arena {path}: {e!r}") from e
+                raise SidecarUnavailable(f"cannot find the arena {path}: {e!r}") from e
             if self._arena is not None and (st.st_ino, st.st_size) == self._arena_identity:
                 return self._arena
             try:
@@ -302,7 +324,7 @@ class SidecarClient:
                 finally:
                     os.close(fd)
             except (OSError, ValueError) as e:
-                raise SidecarError(f"cannot map the arena {path}: {e!r}") from e
+                raise SidecarUnavailable(f"cannot map the arena {path}: {e!r}") from e
             self._arena_path = path
             self._arena = memoryview(self._arena_map)
             return self._arena
@@ -318,19 +340,18 @@ class SidecarClient:
             return []
         body = {"items": [{"key": k, "length": int(n)} for k, n in items], "priority": int(priority)}
         answer = self._control("reserve", body)
-        return [slot_from_json(x) if x else None for x in answer["slots"]]
+        epoch = int(answer["epoch"])
+        return [slot_from_json(x, epoch) if x else None for x in answer["slots"]]
 
-    def commit(self, slots: Sequence[Slot]) -> None:
-        """Makes written slots loadable; checksums their arena bytes here, in the writer."""
-        if not slots:
-            return
-        view = self.arena()
-        body = {
-            "slots": [
-                {**slot_to_json(s), "checksum": checksum(view[s.offset : s.offset + s.length])} for s in slots
-            ]
-        }
-        self._control("commit", body)
+    def commit(self, items: Sequence[tuple[Slot, int]]) -> list[bool]:
+        """Makes written slots loadable, each with the checksum of the bytes the writer wrote, computed
+        over its own source (never over the arena, which a stale writer may have written since).
+        False where the sidecar refused: the reservation was no longer this writer's (it expired, or
+        the sidecar restarted), so the chunk is not saved."""
+        if not items:
+            return []
+        body = {"slots": [{**slot_to_json(s), "checksum": digest} for s, digest in items]}
+        return [bool(x) for x in self._control("commit", body)["committed"]]
 
     def abort(self, slots: Sequence[Slot]) -> None:
         if slots:
@@ -344,7 +365,8 @@ class SidecarClient:
         for instance while it copies, and must not use the bytes of a slot that fails; it sends
         those keys to verify() so the sidecar drops them."""
         answer = self._control("pin", {"keys": list(keys), "verify": verify})
-        return Pinned(answer["lease"], [slot_from_json(x) for x in answer["slots"]])
+        epoch = int(answer["epoch"])
+        return Pinned(answer["lease"], [slot_from_json(x, epoch) for x in answer["slots"]])
 
     def verify(self, keys: Sequence[str]) -> list[str]:
         """Has the sidecar check the stored bytes of `keys`; returns the keys it dropped as corrupt."""

@@ -27,16 +27,16 @@ def reserve(store: Store, req: s.ReserveRequest, max_chunk_bytes: int) -> s.Rese
                 f"chunk {item.key} is {item.length} bytes; the largest allowed is {max_chunk_bytes}"
             )
     slots = store.reserve([(i.key, i.length) for i in req.items], req.priority)
-    return s.ReserveResponse(slots=[_slot_model(x) if x else None for x in slots])
+    return s.ReserveResponse(epoch=store.arena.epoch, slots=[_slot_model(x) if x else None for x in slots])
 
 
 def commit(store: Store, req: s.CommitRequest) -> s.CommitResponse:
-    done = store.commit([(Slot(x.key, x.offset, x.length), x.checksum) for x in req.slots])
+    done = store.commit([(Slot(x.key, x.offset, x.length, gen=x.gen), x.checksum) for x in req.slots])
     return s.CommitResponse(committed=done)
 
 
 def abort(store: Store, req: s.AbortRequest) -> dict:
-    store.abort([Slot(x.key, x.offset, x.length) for x in req.slots])
+    store.abort([Slot(x.key, x.offset, x.length, gen=x.gen) for x in req.slots])
     return {}
 
 
@@ -44,6 +44,7 @@ def pin(store: Store, req: s.PinRequest) -> s.PinResponse:
     lease, slots = store.pin(req.keys, verify=req.verify)
     return s.PinResponse(
         lease=lease,
+        epoch=store.arena.epoch,
         slots=[
             s.ChecksummedSlot(key=x.key, offset=x.offset, length=x.length, checksum=x.checksum) for x in slots
         ],
@@ -59,7 +60,7 @@ def release(store: Store, req: s.ReleaseRequest) -> s.ReleaseResponse:
 
 
 def _slot_model(slot: Slot) -> s.SlotModel:
-    return s.SlotModel(key=slot.key, offset=slot.offset, length=slot.length)
+    return s.SlotModel(key=slot.key, offset=slot.offset, length=slot.length, gen=slot.gen)
 
 
 def run(store: Store, op: str, req: BaseModel, max_chunk_bytes: int) -> Any:

@@ -3,10 +3,11 @@
 - Saves never wait on Redis: committed keys go into a bounded queue; when it is full the save is
   simply not written behind (counted as dropped). One writer thread drains it, reading the bytes
   straight from the arena while the chunk is pinned (its checksum verified first).
-- A chunk is stored as pieces of at most 4 MiB (Redis is slow with large values), SET pipelined,
-  and then a small meta record; all its keys share the hash tag {key}, so in a Redis Cluster they
-  live in one slot. Meta is written after the pieces, so a reader that finds the meta finds whole
-  pieces; the checksum in the meta is checked on every read.
+- A chunk is one Redis hash: a small meta field and pieces of at most 4 MiB (Redis is slow with
+  large values), all written by one HSET. Redis evicts and expires whole keys, so a chunk is in Redis
+  whole or not at all: a lookup that finds the key finds every piece. The checksum in the meta is
+  checked on every read; a read that finds anything wrong deletes the key, so the next save writes
+  the chunk anew instead of every pod failing on it forever.
 - Chunks cross pods here, so the meta carries a MAC, keyed by the pool's secret (KVPOOL_POOL_KEY),
   over the key, length, checksum and priority. A chunk whose MAC fails (planted by something without
   the secret, or written by another pool) is never promoted: it is a miss, deleted from Redis so the
@@ -43,18 +44,16 @@ log = logging.getLogger(__name__)
 
 PIECE_BYTES = 4 * 2**20
 _META = struct.Struct(">4sQQiI16s")  # magic, length, checksum, priority, pieces, MAC
-_MAGIC = b"KVP2"
+_MAGIC = b"KVP3"
+META_FIELD = "m"
 _MAC_FIELDS = struct.Struct(">QQi")
 _NO_MAC = bytes(16)
 _ERRORS = (redis.RedisError, OSError)
 
 
-def meta_key(key: str) -> str:
-    return f"kvpool:{{{key}}}:m"
-
-
-def piece_key(key: str, i: int) -> str:
-    return f"kvpool:{{{key}}}:{i}"
+def chunk_key(key: str) -> str:
+    """The Redis hash of one chunk: field "m" its meta, fields "0".."n-1" its pieces."""
+    return f"kvpool:v3:{key}"
 
 
 def chunk_mac(pool_key: bytes | None, key: str, length: int, digest: int, priority: int) -> bytes:
@@ -65,11 +64,8 @@ def chunk_mac(pool_key: bytes | None, key: str, length: int, digest: int, priori
     return hmac.digest(pool_key, message, "sha256")[:16]
 
 
-def _delete(shard: Shard, key: str, pieces: int) -> None:
-    """Removes a chunk from its shard, meta first: readers stop finding it at once."""
-    shard.client.delete(meta_key(key))
-    if pieces:
-        shard.client.delete(*(piece_key(key, i) for i in range(pieces)))
+def _delete(shard: Shard, key: str) -> None:
+    shard.client.delete(chunk_key(key))
 
 
 def piece_count(length: int) -> int:
@@ -106,7 +102,12 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
-def connect(url: str, password: str | None = None) -> redis.Redis | RedisCluster:
+# Lookups run inside vLLM's schedule(): a hung shard may hold one only this long, then it is marked
+# down (the health thread brings it back) and lookups answer from the CPU tier alone.
+LOOKUP_BUDGET_SECONDS = 0.1
+
+
+def connect(url: str, password: str | None = None, timeout: float = 5.0) -> redis.Redis | RedisCluster:
     """A client for one shard URL; redis+cluster:// or ?cluster=true means Redis Cluster."""
     parts = urllib.parse.urlsplit(url)
     query = urllib.parse.parse_qs(parts.query)
@@ -121,7 +122,7 @@ def connect(url: str, password: str | None = None) -> redis.Redis | RedisCluster
     )
     kwargs: dict = {
         "socket_connect_timeout": 0.5,
-        "socket_timeout": 5.0,
+        "socket_timeout": timeout,
         "connection_class": _SSLConnection if scheme == "rediss" else _Connection,
     }
     if parts.password is None and password:
@@ -136,6 +137,7 @@ class Shard:
     url: str = field(repr=False)  # as given (may hold a password): never logged
     password: str | None = field(default=None, repr=False)
     client: redis.Redis | RedisCluster | None = None  # made by check(): a cluster client connects at once
+    lookup_client: redis.Redis | RedisCluster | None = None  # the same, with LOOKUP_BUDGET_SECONDS
     name: str = ""
     up: bool = False
     reason: str = "not checked yet"
@@ -149,6 +151,8 @@ class Shard:
         try:
             if self.client is None:
                 self.client = connect(self.url, self.password)
+            if self.lookup_client is None:
+                self.lookup_client = connect(self.url, self.password, LOOKUP_BUDGET_SECONDS)
             self.client.ping()
         except Exception as e:  # connection errors, auth, a bad URL, a cluster without slots
             self.down(e)
@@ -158,8 +162,9 @@ class Shard:
         self.up, self.reason = True, "ok"
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        for client in (self.client, self.lookup_client):
+            if client is not None:
+                client.close()
 
     def score(self, key: str) -> int:
         return checksum(self._id + key.encode())
@@ -365,15 +370,16 @@ class RedisTier:
             digest, priority = entry_meta
             view = self.store.arena.view[slot.offset : slot.offset + slot.length]
             try:
-                if shard.client.exists(meta_key(key)):
-                    return True  # another pod wrote it already
+                # TOUCH: a chunk saved again is in use again, so Redis keeps it longer
+                if shard.client.touch(chunk_key(key)):
+                    return True  # another pod wrote it already (whole: it is one key)
                 n = piece_count(slot.length)
-                pipe = shard.client.pipeline(transaction=False)
-                for i in range(n):
-                    pipe.set(piece_key(key, i), view[i * PIECE_BYTES : (i + 1) * PIECE_BYTES])
                 mac = chunk_mac(self.pool_key, key, slot.length, digest, priority)
-                pipe.set(meta_key(key), _META.pack(_MAGIC, slot.length, digest, priority, n, mac))
-                pipe.execute()
+                fields: dict[str, bytes | memoryview] = {
+                    str(i): view[i * PIECE_BYTES : (i + 1) * PIECE_BYTES] for i in range(n)
+                }
+                fields[META_FIELD] = _META.pack(_MAGIC, slot.length, digest, priority, n, mac)
+                shard.client.hset(chunk_key(key), mapping=fields)  # one command: all or nothing
             except _ERRORS as e:
                 shard.down(e)
                 self.counters.write_errors += 1
@@ -389,15 +395,15 @@ class RedisTier:
         if shard is None or not shard.up:
             return
         try:
-            raw = shard.client.get(meta_key(key))
-            _delete(shard, key, _META.unpack(raw)[4] if raw and len(raw) == _META.size else 0)
+            _delete(shard, key)
         except _ERRORS as e:
             shard.down(e)
 
     # --- reads --------------------------------------------------------------------------------------
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Pipelined EXISTS of each key's meta, one round trip per shard; a shard that is down says no."""
+        """Pipelined EXISTS of each key, one round trip per shard, within LOOKUP_BUDGET_SECONDS; a shard
+        that is down, or does not answer in time (then marked down), says no."""
         by_shard: dict[int, tuple[Shard, list[int]]] = {}
         for i, key in enumerate(keys):
             shard = self.shard_for(key)
@@ -406,9 +412,10 @@ class RedisTier:
         found = [False] * len(keys)
         for shard, idx in by_shard.values():
             try:
-                pipe = shard.client.pipeline(transaction=False)
+                assert shard.lookup_client is not None  # an up shard has both clients
+                pipe = shard.lookup_client.pipeline(transaction=False)
                 for i in idx:
-                    pipe.exists(meta_key(keys[i]))
+                    pipe.exists(chunk_key(keys[i]))
                 for i, n in zip(idx, pipe.execute(), strict=True):
                     found[i] = bool(n)
             except _ERRORS as e:
@@ -420,36 +427,40 @@ class RedisTier:
         shard = self.shard_for(key)
         if shard is None or not shard.up:
             return None
+        name = chunk_key(key)
         try:
-            raw = shard.client.get(meta_key(key))
+            raw = shard.client.hget(name, META_FIELD)
             if raw is None:
                 self.counters.misses += 1
                 return None
             if len(raw) != _META.size or raw[:4] != _MAGIC:
-                self.counters.read_errors += 1
-                return None
+                return self._unreadable(shard, key, "its meta is not kvpool's")
             _, length, digest, priority, n, mac = _META.unpack(raw)
             if n != piece_count(length) or length > self.store.capacity:
-                self.counters.read_errors += 1
-                return None
+                return self._unreadable(shard, key, "its meta is inconsistent")
             if self.pool_key is not None and not hmac.compare_digest(
                 mac, chunk_mac(self.pool_key, key, length, digest, priority)
             ):
                 self.counters.auth_failures += 1
                 log.warning("chunk %s in redis shard %s fails the pool's MAC: deleted", key, shard.name)
-                _delete(shard, key, n)
+                _delete(shard, key)
                 return None
-            # One GET per piece, not a pipeline: hiredis parses a train of large replies at half
+            # One HGET per piece, not a pipeline: hiredis parses a train of large replies at half
             # the speed of one at a time (measured 1.0 vs 2.0 GB/s for 4 MiB pieces), and a round
-            # trip is small beside 4 MiB. Writes are the other way round: pipelined SETs win.
-            pieces = [shard.client.get(piece_key(key, i)) for i in range(n)]
+            # trip is small beside 4 MiB.
+            pieces = [shard.client.hget(name, str(i)) for i in range(n)]
+            if any(p is None for p in pieces) or sum(map(len, pieces)) != length:
+                return self._unreadable(shard, key, "pieces are missing")
         except _ERRORS as e:
             shard.down(e)
             self.counters.read_errors += 1
             return None
-        if any(p is None for p in pieces) or sum(map(len, pieces)) != length:
-            self.counters.read_errors += 1  # a piece was evicted by Redis: the chunk is gone
-            return None
         self.counters.hits += 1
         self.counters.bytes_read += length
         return Fetched(length=length, checksum=digest, priority=priority, pieces=pieces)
+
+    def _unreadable(self, shard: Shard, key: str, why: str) -> None:
+        """A chunk no reader can use: deleted (what is left would look like a hit to every pod)."""
+        self.counters.read_errors += 1
+        log.warning("chunk %s in redis shard %s cannot be read (%s): deleted", key, shard.name, why)
+        _delete(shard, key)

@@ -40,9 +40,11 @@ class SlotModel(_Strict):
     key: Key
     offset: Annotated[int, Field(ge=0)]
     length: Annotated[int, Field(ge=0)]
+    gen: Uint64 = Field(0, description="the reservation's generation; commit and abort echo it")
 
 
 class ReserveResponse(BaseModel):
+    epoch: Uint64 = Field(description="the arena's epoch (its header): the offsets are valid in it only")
     slots: list[SlotModel | None]
 
 
@@ -55,7 +57,7 @@ class CommitRequest(_Strict):
 
 
 class CommitResponse(BaseModel):
-    committed: list[bool]
+    committed: list[bool]  # false: the reservation was no longer the writer's (expired, restarted)
 
 
 class AbortRequest(_Strict):
@@ -73,6 +75,7 @@ class PinRequest(_Strict):
 
 class PinResponse(BaseModel):
     lease: str
+    epoch: Uint64 = Field(description="the arena's epoch (its header): the offsets are valid in it only")
     slots: list[ChecksummedSlot]
 
 

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from kvpool_sidecar.allocator import Allocator
 from kvpool_sidecar.arena import Arena
-from kvpool_sidecar.wire import Slot, checksum
+from kvpool_sidecar.wire import Slot, checksum, checksum_pieces
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class PutResult(Enum):
     EXISTS = "exists"
     FULL = "full"  # no room even after eviction
     BUSY = "busy"  # another client is writing this key right now
+    EXPIRED = "expired"  # the reservation expired while the body was written: nothing stored
 
 
 @dataclass(eq=False)
@@ -46,6 +47,7 @@ class Entry:
     pins: int = 0
     deadline: float = 0.0  # a reservation's expiry
     dropped: bool = False  # out of the index; its extent is freed when the last pin goes
+    gen: int = 0  # the reservation's generation: a commit must echo it
 
 
 @dataclass(eq=False)
@@ -66,6 +68,7 @@ class Counters:
     reservations_expired: int = 0
     leases_expired: int = 0
     promotions: int = 0
+    refused_commits: int = 0  # commits of a reservation that was no longer the writer's
 
 
 @dataclass(frozen=True)
@@ -93,13 +96,13 @@ class Store:
         self, arena: Arena, *, lease_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic
     ):
         self.arena = arena
-        self.capacity = arena.size
+        self.capacity = arena.capacity
         self.lease_seconds = lease_seconds
         self.counters = Counters()
         self.lower: LowerTier | None = None
         self._clock = clock
         self._lock = threading.RLock()
-        self._alloc = Allocator(arena.size)
+        self._alloc = Allocator(arena.capacity, arena.base)
         self._entries: dict[str, Entry] = {}
         # Evictable order: per priority value an LRU of stored entries (oldest first).
         self._lru: dict[int, OrderedDict[str, Entry]] = {}
@@ -108,6 +111,9 @@ class Store:
         self._tick = itertools.count(1)
         self._stored_bytes = 0
         self._next_reap = 0.0
+        # Generations start at a random number, so a restarted sidecar never accepts an old one.
+        self._gens = itertools.count(secrets.randbits(62) + 1)
+        self._promoting: dict[str, threading.Event] = {}  # key -> set when its promotion ends
 
     # --- index bookkeeping (callers hold the lock) ------------------------------------------------
 
@@ -187,32 +193,55 @@ class Store:
     # --- the arena protocol -----------------------------------------------------------------------
 
     def reserve(self, items: Sequence[tuple[str, int]], priority: int = 0) -> list[Slot | None]:
-        """Room for each (key, length): None where the key is stored or being written, or no room."""
+        """Room for each (key, length): None where the key is stored or being written, or no room.
+        A key that is stored already counts as used now: a hot prefix saved again stays recent."""
         out: list[Slot | None] = []
         with self._lock:
             self._reap()
             batch = {k for k, _ in items}
             deadline = self._clock() + self.lease_seconds
             for key, length in items:
-                if key in self._entries:
+                e = self._entries.get(key)
+                if e is not None:
+                    if e.stored:
+                        self._touch(e)
                     out.append(None)
                     continue
                 offset = self._allocate(length, batch)
                 if offset is None:
                     out.append(None)
                     continue
-                self._entries[key] = Entry(key, offset, length, priority, deadline=deadline)
-                out.append(Slot(key, offset, length))
+                gen = next(self._gens)
+                self._entries[key] = Entry(key, offset, length, priority, deadline=deadline, gen=gen)
+                out.append(Slot(key, offset, length, gen=gen, epoch=self.arena.epoch))
         return out
 
+    def _reserved(self, slot: Slot) -> Entry | None:
+        """The entry `slot` reserved, if it is still that writer's reservation."""
+        e = self._entries.get(slot.key)
+        if e is None or e.stored or e.gen != slot.gen or (e.offset, e.length) != (slot.offset, slot.length):
+            return None
+        return e
+
+    def renew(self, slot: Slot) -> bool:
+        """Extends a reservation that is being written (a streamed body); False when it is no longer
+        the writer's (expired, or the sidecar restarted): the writer must stop writing at once."""
+        with self._lock:
+            e = self._reserved(slot)
+            if e is not None:
+                e.deadline = self._clock() + self.lease_seconds
+            return e is not None
+
     def commit(self, items: Sequence[tuple[Slot, int]]) -> list[bool]:
-        """Makes reserved slots loadable with the checksum of their bytes; False where no longer reserved."""
+        """Makes reserved slots loadable with the checksum of their bytes, computed by the writer over
+        its source; False (counted) where the slot is no longer that writer's reservation."""
         done: list[bool] = []
         saved: list[str] = []
         with self._lock:
             for slot, digest in items:
-                e = self._entries.get(slot.key)
-                if e is None or e.stored or e.offset != slot.offset or e.length != slot.length:
+                e = self._reserved(slot)
+                if e is None:
+                    self.counters.refused_commits += 1
                     done.append(False)
                     continue
                 e.stored = True
@@ -230,8 +259,7 @@ class Store:
     def abort(self, slots: Sequence[Slot]) -> None:
         with self._lock:
             for slot in slots:
-                e = self._entries.get(slot.key)
-                if e is not None and not e.stored and e.offset == slot.offset and e.length == slot.length:
+                if (e := self._reserved(slot)) is not None:
                     self._drop(e)
 
     def pin(
@@ -265,7 +293,8 @@ class Store:
                 return lease_id, []
             if account:
                 self.counters.bytes_out += sum(e.length for e in entries)
-            return lease_id, [Slot(e.key, e.offset, e.length, e.checksum) for e in entries]
+            epoch = self.arena.epoch
+            return lease_id, [Slot(e.key, e.offset, e.length, e.checksum, epoch=epoch) for e in entries]
 
     def release(self, lease_id: str) -> bool:
         with self._lock:
@@ -329,11 +358,30 @@ class Store:
         return True
 
     def _promote(self, key: str, lease: Lease) -> bool:
+        """Pins `key` from the lower tier into the arena. A second promotion of the same key waits for
+        the first and takes its result instead of failing."""
+        while True:
+            with self._lock:
+                e = self._entries.get(key)
+                if e is not None and e.stored:  # someone promoted or saved it meanwhile
+                    return self._pin_into(e, lease)
+                running = self._promoting.get(key)
+                if running is None:
+                    if e is not None:  # being written by a client: not loadable yet
+                        return False
+                    done = self._promoting[key] = threading.Event()
+                    break
+            if not running.wait(self.lease_seconds):
+                return False
+        try:
+            return self._promote_now(key, lease)
+        finally:
+            with self._lock:
+                del self._promoting[key]
+            done.set()
+
+    def _promote_now(self, key: str, lease: Lease) -> bool:
         assert self.lower is not None
-        with self._lock:
-            e = self._entries.get(key)
-            if e is not None and e.stored:  # someone promoted or saved it meanwhile
-                return self._pin_into(e, lease)
         fetched = self.lower.fetch(key)
         if fetched is None:
             return False
@@ -344,23 +392,26 @@ class Store:
             offset = self._allocate(fetched.length, protect)
             if offset is None:
                 return False
-            e = Entry(
-                key, offset, fetched.length, fetched.priority, deadline=self._clock() + self.lease_seconds
-            )
+            deadline = self._clock() + self.lease_seconds
+            e = Entry(key, offset, fetched.length, fetched.priority, deadline=deadline, gen=next(self._gens))
             self._entries[key] = e
+        # checked over the pieces we were given, never over the arena (which others map)
+        ok = sum(map(len, fetched.pieces)) == fetched.length and (
+            checksum_pieces(fetched.pieces) == fetched.checksum
+        )
         pos = offset
-        for piece in fetched.pieces:
+        for piece in fetched.pieces if ok else ():
             self.arena.view[pos : pos + len(piece)] = piece
             pos += len(piece)
-        ok = pos - offset == fetched.length and (
-            checksum(self.arena.view[offset : offset + fetched.length]) == fetched.checksum
-        )
         with self._lock:
             if not ok:
-                log.warning("chunk %s from the lower tier failed its checksum: not served", key)
+                log.warning("chunk %s from the lower tier failed its checksum: not served, deleted", key)
                 self.counters.corrupt_dropped += 1
                 self._drop(e)
-                return False
+        if not ok:  # what is left there is no use to anyone: gone, so the next save writes it anew
+            self.lower.deleted(key)
+            return False
+        with self._lock:
             if e.dropped:  # the reservation expired meanwhile
                 return False
             e.stored = True
@@ -386,14 +437,17 @@ class Store:
 
     # --- whole-chunk operations (HTTP octet-stream, tools) ----------------------------------------
 
-    def cpu_prefix(self, keys: Sequence[str]) -> int:
-        """How many of `keys`, from the first, are in the CPU tier now."""
+    def cpu_prefix(self, keys: Sequence[str], touch: bool = False) -> int:
+        """How many of `keys`, from the first, are in the CPU tier now. With touch, those count as
+        used now: a shared system prompt that every request looks up is never the first evicted."""
         with self._lock:
             n = 0
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or not e.stored:
                     break
+                if touch:
+                    self._touch(e)
                 n += 1
             return n
 
@@ -403,7 +457,7 @@ class Store:
         return lower is not None and lower.usable() and self.cpu_prefix(keys) < len(keys)
 
     def lookup(self, keys: Sequence[str]) -> int:
-        n = self.cpu_prefix(keys)
+        n = self.cpu_prefix(keys, touch=True)
         lower = self.lower
         if n < len(keys) and lower is not None and lower.usable():
             for found in lower.exists_many(keys[n:]):
@@ -424,7 +478,7 @@ class Store:
         except BaseException:
             self.abort([slot])
             raise
-        return self.commit_one(slot)
+        return self.commit_one(slot, checksum(data))
 
     def reserve_one(self, key: str, length: int, priority: int = 0) -> tuple[PutResult, Slot | None]:
         with self._lock:
@@ -434,10 +488,10 @@ class Store:
             (slot,) = self.reserve([(key, length)], priority)
             return (PutResult.CREATED if slot else PutResult.FULL), slot
 
-    def commit_one(self, slot: Slot) -> PutResult:
-        digest = checksum(self.arena.view[slot.offset : slot.offset + slot.length])
+    def commit_one(self, slot: Slot, digest: int) -> PutResult:
+        """Commits one slot with the checksum of the writer's source bytes."""
         (ok,) = self.commit([(slot, digest)])
-        return PutResult.CREATED if ok else PutResult.FULL
+        return PutResult.CREATED if ok else PutResult.EXPIRED
 
     def get(self, key: str) -> bytes | None:
         """A copy of the chunk's bytes, checked after copying: what is returned is what was saved."""
@@ -511,6 +565,7 @@ class Store:
                 "reservations_expired": c.reservations_expired,
                 "leases_expired": c.leases_expired,
                 "promotions": c.promotions,
+                "refused_commits": c.refused_commits,
                 "reserved_chunks": sum(1 for e in self._entries.values() if not e.stored),
                 "pinned_leases": len(self._leases),
                 "free_bytes": self._alloc.free_bytes,

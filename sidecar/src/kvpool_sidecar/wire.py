@@ -10,6 +10,7 @@ import json
 import mmap
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,14 @@ _KEY_RE = re.compile(KEY_PATTERN)
 
 ARENA_FILE = "arena"
 CONTROL_SOCKET = "control.sock"
+
+# The arena file starts with a header page: magic, then the epoch of the sidecar that serves it (a
+# random number per start). Every reserve and pin answer names its epoch; a client uses the offsets
+# only when its own mapping shows the same epoch, so a restarted sidecar or a replaced file (whose
+# inode number tmpfs may reuse) is always noticed. Chunks live after the header.
+ARENA_HEADER = struct.Struct("<8sQ")
+ARENA_MAGIC = b"KVPARENA"
+ARENA_HEADER_BYTES = 4096
 
 # Control operations, the same names over HTTP (POST /v1/arena/<op>, lookup at POST /v1/lookup) and
 # over the Unix socket.
@@ -39,14 +48,34 @@ def checksum(buf: Any) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
+def arena_epoch(view: Any) -> int | None:
+    """The epoch in an arena mapping's header; None when the header is not a sidecar's."""
+    magic, epoch = ARENA_HEADER.unpack_from(view, 0)
+    return epoch if magic == ARENA_MAGIC else None
+
+
+def checksum_pieces(pieces: Iterable[Any]) -> int:
+    """checksum() of the concatenation of `pieces`, without concatenating them."""
+    h = xxhash.xxh3_64()
+    for piece in pieces:
+        h.update(piece)
+    return h.intdigest()
+
+
 @dataclass(frozen=True)
 class Slot:
-    """A place in the arena; a pinned chunk's slot also carries the checksum it was saved with."""
+    """A place in the arena, valid in the arena of `epoch` only.
+
+    A reserved slot carries its reservation's generation, which commit must echo: a writer whose
+    reservation expired, or that outlived the sidecar it reserved from, is refused. A pinned slot
+    carries the checksum its chunk was saved with."""
 
     key: str
     offset: int
     length: int
     checksum: int | None = None
+    gen: int = 0
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -56,12 +85,19 @@ class Pinned:
 
 
 def slot_to_json(slot: Slot) -> dict[str, Any]:
-    return {"key": slot.key, "offset": slot.offset, "length": slot.length}
+    return {"key": slot.key, "offset": slot.offset, "length": slot.length, "gen": slot.gen}
 
 
-def slot_from_json(obj: dict[str, Any]) -> Slot:
+def slot_from_json(obj: dict[str, Any], epoch: int) -> Slot:
     digest = obj.get("checksum")
-    return Slot(obj["key"], int(obj["offset"]), int(obj["length"]), None if digest is None else int(digest))
+    return Slot(
+        obj["key"],
+        int(obj["offset"]),
+        int(obj["length"]),
+        None if digest is None else int(digest),
+        int(obj.get("gen", 0)),
+        epoch,
+    )
 
 
 def encode_frame(obj: Any) -> bytes:

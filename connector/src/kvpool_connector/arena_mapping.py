@@ -1,0 +1,100 @@
+"""The worker's mapping of the sidecar's arena: mapped once, for the worker's life.
+
+A copy in flight (a load on the copy thread, a DMA on CUDA) reads or writes the mapping, so no error
+path may unmap it: a failed sidecar call drops the connection, never the mapping. Offsets are used
+only in the arena whose epoch the sidecar named with them (wire.ARENA_HEADER): a restarted sidecar
+writes a new epoch into the same file, which this mapping sees at once, so an offset handed out by
+the old one is refused. When the path holds a new file (a new pod volume, a new --capacity), it is
+mapped beside the old one; old mappings stay until shutdown, when nothing copies any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvpool_sidecar.client import SidecarUnavailable
+from kvpool_sidecar.wire import arena_epoch, map_populated
+
+log = logging.getLogger(__name__)
+
+
+class ArenaChanged(SidecarUnavailable):
+    """The sidecar named an epoch this worker's mapping does not show (it restarted meanwhile)."""
+
+
+@dataclass(eq=False)
+class _Mapped:
+    mmap: mmap.mmap
+    tensor: torch.Tensor
+    identity: tuple[int, int, int]  # (st_dev, st_ino, size) of the file mapped
+    registered: bool = False
+
+
+class ArenaMapping:
+    def __init__(self, path: Callable[[], str], cuda: bool) -> None:
+        """path: where the arena file is (asked once, at the first use)."""
+        self._path_of = path
+        self._path: str | None = None
+        self._cuda = cuda
+        self._current: _Mapped | None = None
+        self._all: list[_Mapped] = []
+        self._lock = threading.Lock()
+
+    def tensor(self, epoch: int) -> torch.Tensor:
+        """The arena as a uint8 tensor, if it is the arena of `epoch`; raises ArenaChanged if not."""
+        with self._lock:
+            current = self._current
+            if current is not None and arena_epoch(current.tensor.numpy()) == epoch:
+                return current.tensor
+            mapped = self._map()
+            if arena_epoch(mapped.tensor.numpy()) != epoch:
+                raise ArenaChanged(f"the arena is not the one of epoch {epoch}: the sidecar restarted")
+            return mapped.tensor
+
+    def _map(self) -> _Mapped:
+        """The file now at the path: the current mapping if it is the same file, else a new one."""
+        if self._path is None:
+            self._path = self._path_of()
+        try:
+            fd = os.open(self._path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SidecarUnavailable(f"cannot open the arena {self._path}: {e!r}") from e
+        try:
+            st = os.fstat(fd)
+            identity = (st.st_dev, st.st_ino, st.st_size)
+            if self._current is not None and self._current.identity == identity:
+                return self._current
+            try:
+                m = map_populated(fd, st.st_size)
+            except (OSError, ValueError) as e:
+                raise SidecarUnavailable(f"cannot map the arena {self._path}: {e!r}") from e
+        finally:
+            os.close(fd)
+        mapped = _Mapped(m, torch.frombuffer(m, dtype=torch.uint8), identity)
+        if self._cuda:  # pinned for DMA once per mapping; unregistered at close
+            err = torch.cuda.cudart().cudaHostRegister(mapped.tensor.data_ptr(), mapped.tensor.numel(), 0)
+            mapped.registered = int(err) == 0
+            if not mapped.registered:
+                log.warning("kvpool: cudaHostRegister of the arena failed (%s); copies will not be DMA", err)
+        self._all.append(mapped)
+        self._current = mapped
+        return mapped
+
+    def close(self) -> None:
+        """At shutdown, after every copy has finished."""
+        with self._lock:
+            for mapped in self._all:
+                if mapped.registered:
+                    torch.cuda.cudart().cudaHostUnregister(mapped.tensor.data_ptr())
+                with contextlib.suppress(BufferError):  # still exported: the OS unmaps at exit
+                    mapped.mmap.close()
+            self._all.clear()
+            self._current = None

@@ -1,0 +1,32 @@
+"""Warnings that a failing cache would otherwise repeat on every engine step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+
+class RateLimitedLog:
+    """One warning per kind per `interval` seconds; the next one says how many were held back."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+        self._log = logger
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -self._interval) < self._interval:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            held = self._held.pop(kind, 0)
+        if held:
+            msg += " (and %d more like it since the last report)"
+            args = (*args, held)
+        self._log.warning(msg, *args)
