@@ -22,6 +22,7 @@ from vllm.config import (
 from vllm.utils.hashing import sha256
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -45,6 +46,8 @@ def make_scheduler(
     prefix_caching: bool = False,
     lora: bool = False,
     encoder_budget: int = 0,
+    async_scheduling: bool = False,
+    tp_size: int = 1,
     **extra: Any,
 ) -> Scheduler:
     """The scheduler as the engine core makes it. `encoder_budget` gives it the encoder compute and
@@ -88,7 +91,9 @@ def make_scheduler(
         ],
     )
     config.cache_config.num_gpu_blocks = num_blocks
-    scheduler = Scheduler(
+    config.parallel_config.tensor_parallel_size = tp_size  # the namespace and the lookup read it
+    # AsyncScheduler: what the engine core uses with async scheduling (vLLM's default on GPU)
+    scheduler = (AsyncScheduler if async_scheduling else Scheduler)(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         log_stats=True,
@@ -140,8 +145,11 @@ def namespace_of(scheduler: Scheduler):
 
 
 def model_output(scheduler: Scheduler, so, invalid: set[int] | None = None) -> ModelRunnerOutput:
+    """What the workers report for step `so`: a token per scheduled request; every load the step
+    started finished in it (loads are asynchronous), with `invalid` the blocks that failed."""
     from vllm.v1.outputs import KVConnectorOutput
 
+    loaded = {ld.req_id for ld in so.kv_connector_metadata.loads}
     req_ids = list(so.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids,
@@ -150,7 +158,9 @@ def model_output(scheduler: Scheduler, so, invalid: set[int] | None = None) -> M
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=None,
-        kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid or set()) if invalid else None,
+        kv_connector_output=KVConnectorOutput(finished_recving=loaded, invalid_block_ids=invalid or set())
+        if loaded or invalid
+        else None,
     )
 
 
@@ -169,6 +179,16 @@ def run_to_end(scheduler: Scheduler, max_steps: int = 500, counters: dict[str, A
                 for name, value in (stats or {}).items():
                     counters[name] = counters.get(name, 0) + value
     raise AssertionError("requests did not finish")
+
+
+def first_computed(outputs: list, req_id: str | None = None) -> int:
+    """How many tokens a request (the first one by default) had computed when it was first scheduled:
+    after its asynchronous load, if it had one."""
+    for so in outputs:
+        for new in so.scheduled_new_reqs:
+            if req_id is None or new.req_id == req_id:
+                return new.num_computed_tokens
+    raise AssertionError(f"request {req_id} was never scheduled")
 
 
 def assert_empty(scheduler: Scheduler) -> None:

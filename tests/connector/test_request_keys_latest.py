@@ -49,12 +49,18 @@ def adapter(path: Path, seed: int) -> Path:
 
 
 def first_step(scheduler, request) -> tuple[int, list]:
-    """(tokens already computed when the request is first scheduled, the loads planned for it)."""
+    """(tokens already computed when the request is first scheduled, after its asynchronous load if
+    it has one; the loads planned for it)."""
     scheduler.add_request(request)
-    so = scheduler.schedule()
-    scheduler.update_from_output(so, model_output(scheduler, so))
-    (new,) = [r for r in so.scheduled_new_reqs if r.req_id == request.request_id]
-    return new.num_computed_tokens, [ld for ld in so.kv_connector_metadata.loads if ld.req_id == new.req_id]
+    loads = []
+    for _ in range(3):  # a load step, then the first compute step
+        so = scheduler.schedule()
+        scheduler.update_from_output(so, model_output(scheduler, so))
+        loads += [ld for ld in so.kv_connector_metadata.loads if ld.req_id == request.request_id]
+        new = [r for r in so.scheduled_new_reqs if r.req_id == request.request_id]
+        if new:
+            return new[0].num_computed_tokens, loads
+    raise AssertionError(f"{request.request_id} was never scheduled")
 
 
 def saved_by(scheduler, sidecar_client: SidecarClient, **inputs: Any) -> list[str]:

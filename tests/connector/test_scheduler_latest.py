@@ -10,6 +10,7 @@ pytestmark = pytest.mark.vllm_latest
 vllm = pytest.importorskip("vllm")
 from schedkit import (  # noqa: E402
     assert_empty,
+    first_computed,
     loads_of,
     make_request,
     make_scheduler,
@@ -29,9 +30,12 @@ def test_full_prompt_hit_recomputes_the_last_token(tiny_model, sidecar) -> None:
     store_chunks(s, client, tokens, 3)
     s.add_request(make_request(tokens))
     so = s.schedule()
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 80  # 95 tokens aligned down to the block
     (load,) = so.kv_connector_metadata.loads
-    assert [len(op.block_ids) for op in load.chunks] == [2, 2, 1]
+    assert [len(op.block_ids) for op in load.chunks] == [2, 2, 1]  # 95 tokens aligned down to the block
+    assert not so.num_scheduled_tokens  # loading: nothing is computed over blocks not yet checked
+    s.update_from_output(so, model_output(s, so))
+    so = s.schedule()
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 80
     assert so.num_scheduled_tokens[load.req_id] == 16
     s.update_from_output(so, model_output(s, so))
     run_to_end(s)
@@ -45,7 +49,7 @@ def test_partial_hit_and_saves_of_the_rest(tiny_model, sidecar) -> None:
     store_chunks(s, client, tokens, 1)
     s.add_request(make_request(tokens))
     outputs = run_to_end(s)
-    assert outputs[0].scheduled_new_reqs[0].num_computed_tokens == 32
+    assert first_computed(outputs) == 32
     (load,) = loads_of(outputs)
     assert [len(op.block_ids) for op in load.chunks] == [2]
     saved = [(op.first_block, op.chunk_blocks) for sv in saves_of(outputs) for op in sv.chunks]
@@ -60,7 +64,7 @@ def test_chunked_prefill_saves_each_chunk_once(tiny_model, sidecar) -> None:
     store_chunks(s, client, tokens, 2)
     s.add_request(make_request(tokens))
     outputs = run_to_end(s)
-    assert outputs[0].scheduled_new_reqs[0].num_computed_tokens == 64
+    assert first_computed(outputs) == 64
     links = [op.link for sv in saves_of(outputs) for op in sv.chunks]
     assert len(links) == len(set(links)) == 4  # chunks 2..5, each once, each when fully computed
     steps_with_saves = [i for i, so in enumerate(outputs) if so.kv_connector_metadata.saves]
@@ -108,7 +112,7 @@ def test_second_update_state_after_alloc_with_zero_tokens_keeps_the_load(tiny_mo
     req = make_request(tokens)
     conn = s.connector
     ext, is_async = conn.get_num_new_matched_tokens(req, 0)
-    assert (ext, is_async) == (64, False)
+    assert (ext, is_async) == (64, True)  # loaded asynchronously
     blocks = s.kv_cache_manager.empty_kv_cache_blocks
     conn.update_state_after_alloc(req, blocks, ext)
     conn.update_state_after_alloc(req, blocks, 0)  # the second call (after an async load) loads nothing new
@@ -123,7 +127,7 @@ def test_unreachable_sidecar_is_a_miss(tiny_model, sidecar_factory) -> None:
     proc.kill()
     s.add_request(make_request(prompt(96, 9)))
     outputs = run_to_end(s)
-    assert outputs[0].scheduled_new_reqs[0].num_computed_tokens == 0
+    assert first_computed(outputs) == 0
     assert_empty(s)
 
 

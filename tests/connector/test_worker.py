@@ -4,6 +4,7 @@ another one, bit-exact; a chunk the sidecar cannot serve becomes load errors, ne
 from __future__ import annotations
 
 import torch
+from kvtest import wait_until
 
 from kvpool_connector.common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from kvpool_connector.config import KVPoolConfig
@@ -39,14 +40,27 @@ def _two_workers(url: str, seed: int) -> tuple[KVPoolWorker, KVPoolWorker, Layer
     return src, dst, src_layers, dst_layers
 
 
+def _load(worker: KVPoolWorker, meta: KVPoolMetadata) -> set[int]:
+    """Runs the step's loads as vLLM does (asynchronously): start them, then collect get_finished()
+    step after step until every request is reported; returns the blocks that failed."""
+    worker.start_load(meta)
+    want, done, failed = {spec.req_id for spec in meta.loads}, set(), set()
+
+    def finished() -> bool:
+        done.update(worker.get_finished())
+        failed.update(worker.take_load_errors())  # asked in the same step, as vLLM does
+        return done >= want
+
+    wait_until(finished, 30, f"the loads of {sorted(want)} to finish")
+    return failed
+
+
 def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) -> None:
     proc = sidecar_factory("16Mi")
     src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=1)
 
     saves = _ops([[3, 7], [1, 12], [5, 6]])
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, saves)])
-    src.start_load(meta)
-    src.begin_step(meta)
     src.finish_step(meta)
     assert src.take_stats().data["saved_chunks"] == 3
 
@@ -54,10 +68,7 @@ def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) 
     client = SidecarClient(proc.info["url"], timeout=5)
     assert client.delete(rank_key(saves[2].link, 0))
     loads = [ChunkOp(op.link, 2, ids) for op, ids in zip(saves, [[0, 2], [4, 8], [9, 10]], strict=True)]
-    meta = KVPoolMetadata(loads=[LoadSpec("b", loads)])
-    dst.start_load(meta)
-    dst.finish_step(meta)
-    assert dst.take_load_errors() == {9, 10}
+    assert _load(dst, KVPoolMetadata(loads=[LoadSpec("b", loads)])) == {9, 10}
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
         for sb, db in [(3, 0), (7, 2), (1, 4), (12, 8)]:
             assert torch.equal(s[sb], d[db])
@@ -65,8 +76,7 @@ def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) 
 
     # a load of the second block of a chunk only (behind vLLM's own prefix hit)
     meta = KVPoolMetadata(loads=[LoadSpec("c", [ChunkOp(saves[0].link, 2, [15], first_block=1)])])
-    dst.start_load(meta)
-    assert dst.take_load_errors() == set()
+    assert _load(dst, meta) == set()
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
         assert torch.equal(s[7], d[15])
 
@@ -81,11 +91,9 @@ def test_other_rank_sees_nothing_and_dead_sidecar_is_errors_not_exceptions(sidec
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, ops)])
     w0.finish_step(meta)
     meta = KVPoolMetadata(loads=[LoadSpec("a", ops)])
-    w1.start_load(meta)
-    assert w1.take_load_errors() == {0, 1}  # rank 1's key differs from rank 0's
+    assert _load(w1, meta) == {0, 1}  # rank 1's key differs from rank 0's
     proc.kill()
-    w0.start_load(meta)
-    assert w0.take_load_errors() == {0, 1}
+    assert _load(w0, meta) == {0, 1}
     w0.finish_step(KVPoolMetadata(saves=[SaveSpec("x", 0, _ops([[2, 3]]))]))  # no exception
     assert w0.take_stats().data["sidecar_errors"] >= 2
 
@@ -105,9 +113,7 @@ def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(s
     client.release(pinned.lease)
 
     meta = KVPoolMetadata(loads=[LoadSpec("b", _ops([[6, 7], [8, 9], [10, 11]]))])
-    dst.start_load(meta)
-    dst.finish_step(meta)
-    assert dst.take_load_errors() == {8, 9, 10, 11}
+    assert _load(dst, meta) == {8, 9, 10, 11}
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
         assert torch.equal(s[0], d[6]) and torch.equal(s[1], d[7])
     stats = dst.take_stats().data

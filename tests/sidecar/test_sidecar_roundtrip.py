@@ -67,7 +67,10 @@ def test_arena_path_found_through_v1_arena_and_http_control(sidecar_factory, tmp
     proc = sidecar_factory("8Mi")
     c = SidecarClient(proc.info["url"])
     info = c._json("GET", "/v1/arena")
-    assert info["path"] == str(proc.info["arena_dir"] / "arena") and info["size"] == ARENA_HEADER_BYTES + 8 * 2**20
+    assert (
+        info["path"] == str(proc.info["arena_dir"] / "arena")
+        and info["size"] == ARENA_HEADER_BYTES + 8 * 2**20
+    )
     (slot,) = c.reserve([(key(5), 1000)])
     c.arena()[slot.offset : slot.offset + 1000] = b"x" * 1000
     assert c.commit([(slot, checksum(b"x" * 1000))]) == [True]
