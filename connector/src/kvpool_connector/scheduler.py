@@ -8,12 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpool_sidecar.client import SidecarClient, SidecarError
+from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarTimeout
 
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig
 from .keys import Extras, Namespace, chain, rank_key
 from .metrics import KVPoolStats
+from .ratelimit import RateLimitedLog
 from .request_inputs import Unkeyable, request_extras
 from .spans import Span, align_down, decode_spans, prompt_spans
 
@@ -25,8 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SKIP_SAVE_PARAM = "kvpool.skip_save"
-# After a lookup fails (the sidecar hung or gone), lookups are misses without asking for this long:
-# a lookup runs inside vLLM's schedule(), so each one that waits out its timeout stalls every request.
+# After a lookup times out (the sidecar hung), lookups are misses without asking for this long: a
+# lookup runs inside vLLM's schedule(), so each one that waits out its timeout stalls every request.
+# A sidecar that is simply gone fails at once (connection refused) and stalls nothing: no breaker.
 BREAKER_SECONDS = 5.0
 
 
@@ -57,6 +59,7 @@ class KVPoolScheduler:
         self.ranks = namespace.tp_size * namespace.pp_size
         self._clock = clock
         self._breaker_until = 0.0
+        self._warn = RateLimitedLog(log)
         self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
         self.reqs: dict[str, _ReqState] = {}
         self.stats = KVPoolStats()
@@ -127,10 +130,14 @@ class KVPoolScheduler:
         self.stats.add("lookups")
         try:
             hits = self.client.lookup(keys) // self.ranks
-        except SidecarError as e:  # an unreachable or slow sidecar is a miss
+        except SidecarTimeout as e:
             self.stats.add("lookup_errors")
             self._breaker_until = self._clock() + BREAKER_SECONDS
-            log.warning("kvpool lookup failed: misses for the next %.0f s: %s", BREAKER_SECONDS, e)
+            self._warn.warning("lookup", "kvpool lookup timed out: misses for %.0f s: %s", BREAKER_SECONDS, e)
+            return 0, False
+        except SidecarError as e:  # an unreachable sidecar is a miss
+            self.stats.add("lookup_errors")
+            self._warn.warning("lookup", "kvpool lookup failed, treating as a miss: %s", e)
             return 0, False
         hit_spans = spans[: max(0, min(hits, len(spans)))]
         end = min(hit_spans[-1][1], limit) if hit_spans else 0

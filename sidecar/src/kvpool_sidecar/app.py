@@ -166,23 +166,24 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         pos = slot.offset
         end = slot.offset + slot.length
         digest = xxhash.xxh3_64()  # over the body as received, never over the arena
+        expired = False
         try:
             async for piece in _stream(request):
                 if pos + len(piece) > end:
                     raise BodyError(400, "body longer than its Content-Length")
-                # a slow body may outlive its reservation: then the extent may be another chunk's
-                if not store.renew(slot):
-                    await _drain(request, drain_limit)
-                    return PutResult.EXPIRED
-                view[pos : pos + len(piece)] = piece
-                digest.update(piece)
+                # A slow body may outlive its reservation; the extent may be another chunk's by
+                # then: not one more byte goes there (the rest is read, so the answer can be).
+                expired = expired or not store.renew(slot)
+                if not expired:
+                    view[pos : pos + len(piece)] = piece
+                    digest.update(piece)
                 pos += len(piece)
             if pos != end:
                 raise BodyError(400, f"body of {pos - slot.offset} bytes, Content-Length said {length}")
         except BaseException:
             store.abort([slot])
             raise
-        return store.commit_one(slot, digest.intdigest())
+        return PutResult.EXPIRED if expired else store.commit_one(slot, digest.intdigest())
 
     async def _drain(request: Request, limit: int) -> None:
         seen = 0

@@ -43,6 +43,7 @@ __all__ = [
     "SidecarClient",
     "SidecarError",
     "SidecarRefused",
+    "SidecarTimeout",
     "SidecarUnavailable",
     "Slot",
     "checksum",
@@ -57,6 +58,14 @@ class SidecarError(Exception):
 
 class SidecarUnavailable(SidecarError):
     """The sidecar cannot be reached, timed out, or failed (5xx): try again later, reconnecting."""
+
+
+class SidecarTimeout(SidecarUnavailable):
+    """The sidecar did not answer in time (hung, or overloaded): the call waited out its timeout."""
+
+
+def _unavailable(message: str, cause: BaseException) -> SidecarUnavailable:
+    return (SidecarTimeout if isinstance(cause, TimeoutError) else SidecarUnavailable)(message)
 
 
 class SidecarRefused(SidecarError):
@@ -168,7 +177,7 @@ class SidecarClient:
             except _Retry:
                 continue
             except (OSError, http.client.HTTPException) as e:
-                raise SidecarUnavailable(f"{method} {self.url}{path}: {e!r}") from e
+                raise _unavailable(f"{method} {self.url}{path}: {e!r}", e) from e
         raise SidecarUnavailable(f"{method} {self.url}{path}: connection lost")
 
     def _json(self, method: str, path: str, payload: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
@@ -231,7 +240,7 @@ class SidecarClient:
             except _Retry:
                 continue
             except (OSError, EOFError, ValueError) as e:
-                raise SidecarUnavailable(f"control {op} over {self._socket_path_hint()}: {e!r}") from e
+                raise _unavailable(f"control {op} over {self._socket_path_hint()}: {e!r}", e) from e
             status = answer.get("status")
             if status != 200:
                 message = f"control {op}: {status}: {answer.get('body', {}).get('error')}"

@@ -1,0 +1,160 @@
+"""Faults against the real sidecar process and a real redis-server: stale writers, a slow body, a
+restart under a client, Redis evicting and hanging, two promotions of one key. Each case ends with
+no wrong byte served: what a load returns is what was saved under that key, or nothing."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import urllib.parse
+
+from kvtest import redis_call, redis_with, start_sidecar, wait_until
+from sidecar_support import key, load, payload, redis_stats, save
+
+from kvpool_sidecar.client import SidecarClient, checksum
+
+CHUNK = 64 * 1024
+
+
+def client(proc, timeout: float = 10) -> SidecarClient:
+    return SidecarClient(proc.info["url"], timeout=timeout, shm_path=str(proc.info["arena_dir"]))
+
+
+def test_a_writer_whose_reservation_expired_never_lands(sidecar_factory) -> None:
+    """A writer stalls past its reservation; the extent goes to another chunk, which is written and
+    committed; the stale writer then writes and commits. Its commit is refused, and the other
+    chunk's bytes, overwritten in the arena, are never served as that chunk."""
+    proc = sidecar_factory("64Ki", [], "--lease-seconds", "0.5")  # room for exactly one chunk
+    stale, fresh = client(proc), client(proc)
+    a, b = payload(CHUNK, 1), payload(CHUNK, 2)
+    (slot_a,) = stale.reserve([(key(1, "stale"), CHUNK)])
+    wait_until(lambda: stale.stats()["reservations_expired"] == 1, 10, "the stalled reservation to expire")
+    (slot_b,) = fresh.reserve([(key(2, "fresh"), CHUNK)])
+    assert (slot_b.offset, slot_b.length) == (slot_a.offset, slot_a.length)  # the same extent
+    fresh.arena()[slot_b.offset : slot_b.offset + CHUNK] = b
+    assert fresh.commit([(slot_b, checksum(b))]) == [True]
+    stale.arena()[slot_a.offset : slot_a.offset + CHUNK] = a  # the stale writer wakes up
+    assert stale.commit([(slot_a, checksum(a))]) == [False]  # fenced
+    assert stale.stats()["refused_commits"] == 1
+    assert fresh.get(key(1, "stale")) is None
+    assert fresh.get(key(2, "fresh")) is None  # B's bytes are gone: a miss, never A's bytes as B
+    assert fresh.stats()["corrupt_dropped"] == 1
+
+
+def test_a_stale_write_before_the_owners_commit_is_caught_too(sidecar_factory) -> None:
+    """The stale bytes land between the owner's copy and its commit: the owner's checksum is of its
+    own source, so the chunk fails its check instead of being stored as valid."""
+    proc = sidecar_factory("64Ki", [], "--lease-seconds", "0.5")
+    stale, fresh = client(proc), client(proc)
+    a, b = payload(CHUNK, 3), payload(CHUNK, 4)
+    (slot_a,) = stale.reserve([(key(3, "stale"), CHUNK)])
+    wait_until(lambda: stale.stats()["reservations_expired"] == 1, 10, "the stalled reservation to expire")
+    (slot_b,) = fresh.reserve([(key(4, "fresh"), CHUNK)])
+    fresh.arena()[slot_b.offset : slot_b.offset + CHUNK] = b
+    stale.arena()[slot_a.offset : slot_a.offset + CHUNK] = a
+    assert fresh.commit([(slot_b, checksum(b))]) == [True]
+    assert load(fresh, [key(4, "fresh")]) == {}  # the sidecar's check refuses it
+    assert fresh.get(key(4, "fresh")) is None
+
+
+def test_a_slow_put_past_its_reservation_stores_nothing_and_overwrites_nothing(sidecar_factory) -> None:
+    proc = sidecar_factory("64Ki", [], "--lease-seconds", "0.5")
+    c = client(proc)
+    url = urllib.parse.urlsplit(proc.info["url"])
+    slow, fast = payload(CHUNK, 5), payload(CHUNK, 6)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as s:
+        head = f"PUT /v1/chunks/{key(5, 'slow')} HTTP/1.1\r\nHost: x\r\nContent-Length: {CHUNK}\r\n\r\n"
+        s.sendall(head.encode() + slow[: CHUNK // 2])
+        wait_until(lambda: c.stats()["reserved_chunks"] == 1, 10, "the PUT to reserve its slot")
+        wait_until(lambda: c.stats()["reservations_expired"] == 1, 10, "the PUT's reservation to expire")
+        assert c.put(key(6, "fast"), fast)  # the extent is another chunk's now
+        s.sendall(slow[CHUNK // 2 :])
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 409"), answer
+    assert c.get(key(5, "slow")) is None
+    assert c.get(key(6, "fast")) == fast
+
+
+def test_a_restart_under_a_client_refuses_its_old_reservations_and_pins(sidecar_factory) -> None:
+    """The arena file outlives the sidecar; its header's epoch does not. A reservation from before
+    the restart cannot be committed after it, and the client sees the new epoch in the file."""
+    from kvpool_sidecar.wire import arena_epoch
+
+    proc = sidecar_factory("1Mi")
+    c = client(proc)
+    data = payload(CHUNK, 7)
+    save(c, {key(7, "old"): data})
+    pinned = c.pin([key(7, "old")])
+    (slot,) = c.reserve([(key(8, "old"), CHUNK)])
+    arena = c.arena()
+    assert arena_epoch(arena) == slot.epoch == pinned.slots[0].epoch
+    proc.stop()
+    again = start_sidecar(proc.info["arena_dir"].parent, "1Mi", port=proc.info["port"])
+    try:
+        assert arena_epoch(arena) not in (None, slot.epoch)  # the same mapping shows the new epoch
+        arena[slot.offset : slot.offset + CHUNK] = data
+        assert c.commit([(slot, checksum(data))]) == [False]
+        assert c.lookup([key(7, "old"), key(8, "old")]) == 0
+        assert c.stats()["refused_commits"] == 1
+    finally:
+        again.stop()
+
+
+def test_redis_evicting_under_memory_pressure_never_leaves_a_chunk_that_fails(sidecar_factory) -> None:
+    """allkeys-lru evicts keys one by one; a chunk is one key, so whatever a lookup finds loads whole."""
+    with redis_with("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru") as (port, _):
+        url = f"redis://127.0.0.1:{port}/0"
+        a, b = client(sidecar_factory("64Mi", [url])), client(sidecar_factory("64Mi", [url]))
+        chunks = {key(i, "lru"): payload(300_000, 300 + i) for i in range(30)}  # 9 MB into 3 MB
+        save(a, chunks)
+        wait_until(
+            lambda: redis_stats(a)["written"] + redis_stats(a)["write_errors"] >= 30, 60, "write-behind"
+        )
+        assert int(redis_call(port, "INFO", "stats").split(b"evicted_keys:")[1].split(b"\r")[0]) > 0
+        found = 0
+        for k, v in chunks.items():
+            if b.lookup([k]) == 1:
+                found += 1
+                assert load(b, [k]) == {k: v}
+        assert 0 < found < 30
+        assert redis_stats(b)["read_errors"] == 0
+
+
+def test_a_hung_redis_never_holds_a_lookup_past_its_budget(sidecar_factory, redis) -> None:
+    """A lookup of a chunk not in the CPU tier asks Redis; with Redis hung it answers from the CPU tier
+    within the client's 1 s timeout (a lookup may hold vLLM's scheduler only that long), and marks
+    the shard down until it answers again."""
+    proc = sidecar_factory("16Mi", [redis.url])
+    c = client(proc, timeout=1.0)
+    save(c, {key(1, "cpu"): b"c" * 4096})
+    redis.proc.popen.send_signal(signal.SIGSTOP)
+    try:
+        for i in range(3):
+            assert c.lookup([key(1, "cpu"), key(100 + i, "absent")]) == 1  # never a timeout
+        assert "down" in c.readyz()[1] or not c.readyz()[0]
+    finally:
+        redis.proc.popen.send_signal(signal.SIGCONT)
+    wait_until(lambda: c.readyz()[0], 30, "the shard to come back")
+
+
+def test_two_promotions_of_one_key_at_once_both_get_it(sidecar_factory, redis) -> None:
+    a, b = client(sidecar_factory("256Mi", [redis.url])), sidecar_factory("256Mi", [redis.url])
+    chunks = {key(i, "twice"): payload(16 * 2**20, 400 + i) for i in range(3)}
+    save(a, chunks)
+    wait_until(lambda: redis_stats(a)["written"] == 3, 60, "write-behind")
+    for k, v in chunks.items():
+        results: list[dict] = []
+        start = threading.Barrier(2)
+
+        def promote(k: str, start: threading.Barrier, results: list[dict]) -> None:
+            start.wait()
+            results.append(load(client(b), [k]))
+
+        threads = [threading.Thread(target=promote, args=(k, start, results)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [{k: v}, {k: v}]
+    assert client(b).stats()["promotions"] == 3  # each fetched once
