@@ -141,3 +141,36 @@ def test_a_shared_prefix_loading_for_one_request_is_never_used_by_another(tiny_m
     assert evicted
     _check_clean(warm, cold, client)
     warm.shutdown()
+
+
+def test_a_hung_sidecar_holds_one_lookup_then_the_breaker_answers(tiny_model, sidecar_factory) -> None:
+    """Lookups run inside vLLM's schedule(): with the sidecar hung, one lookup waits out its timeout
+    and the next ones are misses at once, until the breaker closes; then lookups hit again."""
+    import signal
+
+    from schedkit import run_to_end, store_chunks
+
+    from kvpool_connector.scheduler import BREAKER_SECONDS
+    from kvpool_sidecar.client import SidecarClient
+
+    proc = sidecar_factory("16Mi")
+    s = make_scheduler(tiny_model, proc.info["url"], timeout_ms=300)
+    now = [0.0]
+    s.connector.scheduler._clock = lambda: now[0]
+    proc.popen.send_signal(signal.SIGSTOP)
+    try:
+        for i in range(3):
+            s.add_request(make_request(prompt(96, 30 + i)))
+        counters: dict = {}
+        outputs = run_to_end(s, counters=counters)  # three lookups: one waits, two do not
+        assert (counters.get("lookup_errors"), counters.get("lookups_skipped")) == (1, 2)
+        assert not [ld for so in outputs for ld in so.kv_connector_metadata.loads]
+    finally:
+        proc.popen.send_signal(signal.SIGCONT)
+    client = SidecarClient(proc.info["url"], timeout=5)
+    tokens = prompt(96, 40)
+    store_chunks(s, client, tokens, 2)
+    now[0] += BREAKER_SECONDS
+    s.add_request(make_request(tokens))
+    so = s.schedule()
+    assert [len(ld.chunks) for ld in so.kv_connector_metadata.loads] == [2]  # asked again, and a hit

@@ -158,3 +158,18 @@ def test_two_promotions_of_one_key_at_once_both_get_it(sidecar_factory, redis) -
             t.join()
         assert results == [{k: v}, {k: v}]
     assert client(b).stats()["promotions"] == 3  # each fetched once
+
+
+def test_a_pin_its_caller_gave_up_on_leaves_no_lease(sidecar_factory) -> None:
+    """A client whose pin timed out releases the lease it named; should the release arrive before the
+    sidecar got to the pin, the pin pins nothing, so no chunk stays pinned for --lease-seconds."""
+    c = client(sidecar_factory("1Mi"))
+    save(c, {key(1, "gave-up"): payload(CHUNK, 9)})
+    lease = "ab" * 16
+    c.release(lease)  # the client gave up first
+    answer = c._control("pin", {"keys": [key(1, "gave-up")], "verify": True, "lease": lease})
+    assert answer["slots"] == [] and c.stats()["pinned_leases"] == 0
+    pinned = c.pin([key(1, "gave-up")])  # a pin under a new name works as ever
+    assert [s.key for s in pinned.slots] == [key(1, "gave-up")]
+    c.release(pinned.lease)
+    assert c.stats()["pinned_leases"] == 0

@@ -17,6 +17,7 @@ import http.client
 import json
 import mmap
 import os
+import secrets
 import socket
 import threading
 import urllib.parse
@@ -373,7 +374,15 @@ class SidecarClient:
         caller's critical path): the caller then checks each slot against `slot.checksum` itself,
         for instance while it copies, and must not use the bytes of a slot that fails; it sends
         those keys to verify() so the sidecar drops them."""
-        answer = self._control("pin", {"keys": list(keys), "verify": verify})
+        lease = secrets.token_hex(16)
+        try:
+            answer = self._control("pin", {"keys": list(keys), "verify": verify, "lease": lease})
+        except SidecarUnavailable:
+            # It may still pin (a slow promotion from Redis): give the lease back at once, not
+            # after --lease-seconds of pinned chunks nobody reads.
+            with contextlib.suppress(SidecarError):
+                self.release(lease)
+            raise
         epoch = int(answer["epoch"])
         return Pinned(answer["lease"], [slot_from_json(x, epoch) for x in answer["slots"]])
 

@@ -41,7 +41,7 @@ def abort(store: Store, req: s.AbortRequest) -> dict:
 
 
 def pin(store: Store, req: s.PinRequest) -> s.PinResponse:
-    lease, slots = store.pin(req.keys, verify=req.verify)
+    lease, slots = store.pin(req.keys, verify=req.verify, lease_id=req.lease)
     return s.PinResponse(
         lease=lease,
         epoch=store.arena.epoch,

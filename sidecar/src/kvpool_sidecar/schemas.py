@@ -66,6 +66,11 @@ class AbortRequest(_Strict):
 
 class PinRequest(_Strict):
     keys: list[Key] = Field(max_length=MAX_BATCH)
+    lease: Annotated[str, Field(pattern="^[0-9a-f]{32}$")] | None = Field(
+        None,
+        description="the caller's name for the lease: a caller whose pin timed out releases it by this "
+        "name, and a pin released before it ran pins nothing",
+    )
     verify: bool = Field(
         True,
         description="false: the caller checks each slot's checksum itself (while it copies, off its "

@@ -54,7 +54,7 @@ class Entry:
 class Lease:
     entries: list[Entry]
     deadline: float
-    expired: bool = False  # set by the reaper, which has then unpinned `entries`
+    expired: bool = False  # set by the reaper or release(), which has then unpinned `entries`
 
 
 @dataclass
@@ -114,6 +114,7 @@ class Store:
         # Generations start at a random number, so a restarted sidecar never accepts an old one.
         self._gens = itertools.count(secrets.randbits(62) + 1)
         self._promoting: dict[str, threading.Event] = {}  # key -> set when its promotion ends
+        self._released: dict[str, None] = {}  # leases released before they were pinned (bounded, FIFO)
 
     # --- index bookkeeping (callers hold the lock) ------------------------------------------------
 
@@ -221,6 +222,8 @@ class Store:
         e = self._entries.get(slot.key)
         if e is None or e.stored or e.gen != slot.gen or (e.offset, e.length) != (slot.offset, slot.length):
             return None
+        if e.deadline <= self._clock():  # expired, though not reaped yet: no longer the writer's
+            return None
         return e
 
     def renew(self, slot: Slot) -> bool:
@@ -263,14 +266,24 @@ class Store:
                     self._drop(e)
 
     def pin(
-        self, keys: Sequence[str], *, promote: bool = True, account: bool = True, verify: bool = True
+        self,
+        keys: Sequence[str],
+        *,
+        promote: bool = True,
+        account: bool = True,
+        verify: bool = True,
+        lease_id: str | None = None,
     ) -> tuple[str, list[Slot]]:
         """Pins the longest loadable prefix of `keys`, promoting from Redis when needed. The slots carry
-        their checksums; with verify=False the caller checks the bytes itself (see verify())."""
-        lease_id = secrets.token_hex(16)
+        their checksums; with verify=False the caller checks the bytes itself (see verify()).
+        lease_id: the caller's name for the lease, so that a caller whose pin timed out can release
+        it (even before the pin is done: then it pins nothing)."""
+        lease_id = lease_id or secrets.token_hex(16)
         entries: list[Entry] = []
         with self._lock:
             self._reap()
+            if lease_id in self._leases or lease_id in self._released:
+                return lease_id, []  # released by a caller that gave up on it, or a name in use
             for key in keys:
                 e = self._entries.get(key)
                 if e is None or not e.stored:
@@ -299,8 +312,12 @@ class Store:
     def release(self, lease_id: str) -> bool:
         with self._lock:
             lease = self._leases.pop(lease_id, None)
-            if lease is None:
+            if lease is None:  # perhaps not pinned yet (a caller that timed out): never pin it then
+                self._released[lease_id] = None
+                if len(self._released) > 4096:
+                    del self._released[next(iter(self._released))]
                 return False
+            lease.expired = True  # a promotion still running for it pins nothing more
             for e in lease.entries:
                 self._unpin(e)
             return True

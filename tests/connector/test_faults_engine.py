@@ -1,0 +1,165 @@
+"""Faults under the real vLLM CPU engine with prefix caching on (the production setting), real
+sidecar processes and a real redis-server: a sidecar killed and restarted while a prompt is being
+saved, reservations that expire under a slow writer, Redis evicting under memory pressure, Redis hung.
+
+Every case ends with outputs bit-identical to a clean cold run's, and with no wrong byte in any tier:
+every chunk a faulty pod or Redis still holds equals the clean run's chunk under that key (the same
+step shapes everywhere: prefill in steps of one chunk, one request at a time).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from enginekit import Engine, engine_spec, kvpool_connector, prompt_keys
+from kvtest import RedisServer, free_port, redis_call, start_sidecar, wait_until
+
+from kvpool_connector.tinymodel import random_prompt
+from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.redis_tier import chunk_key
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = {name: random_prompt(600, 512, seed=50 + i) for i, name in enumerate("ABCDE")}
+WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=59)], "max_tokens": 2}
+
+
+def _engine(d: Path, name: str, model: Path, url: str, labels: dict[str, str]) -> Engine:
+    """An engine (prefix caching on) whose runs (label: prompt name) each wait for the test's go."""
+    engine = Engine(d, name, {})
+    runs = [
+        {"label": label, "prompts": [PROMPTS[p]], "max_tokens": 6, "wait_for": engine.go_file(label)}
+        for label, p in labels.items()
+    ]
+    connector = kvpool_connector(url, timeout_ms=1000)
+    engine.spec = engine_spec(model, connector, [WARMUP, *runs], enable_prefix_caching=True)
+    return engine
+
+
+def _run(engine: Engine, label: str) -> dict[str, Any]:
+    engine.go(label)
+    return engine.wait_done(label)["outputs"][0]
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("faults")
+    (d / "redis").mkdir()
+    redis = RedisServer(free_port(), d / "redis").start()
+    # Redis evicts whole keys, whichever: a chunk is one key, so it goes whole or not at all
+    redis_call(redis.port, "CONFIG", "SET", "maxmemory-policy", "allkeys-random")
+    clean = start_sidecar(d / "clean", "64Mi")  # the reference: a clean cold run of every prompt
+    pod = start_sidecar(d / "pod", "64Mi", [redis.url])
+    fresh = start_sidecar(d / "fresh", "64Mi", [redis.url])  # another pod: loads from Redis only
+    s: dict[str, Any] = {"clean": SidecarClient(clean.info["url"], timeout=5)}
+    engines: list[Engine] = []
+    try:
+        ref = _engine(d, "ref", tiny_model, clean.info["url"], {p: p for p in PROMPTS})
+        engines.append(ref.start())
+        s["cold"] = {p: _run(ref, p) for p in PROMPTS}
+        ref.finish()
+
+        a = _engine(d, "a", tiny_model, pod.info["url"], {"A": "A", "restart": "B", "slow": "C", "D": "D"})
+        engines.append(a.start())
+        a.wait_done("warmup")
+        s["A"] = _run(a, "A")
+        # the pod's sidecar is killed while B's chunks are being saved, and comes back at once
+        client = SidecarClient(pod.info["url"], timeout=5)
+        before = client.stats()["bytes_in"]
+        a.go("restart")
+        wait_until(lambda: client.stats()["bytes_in"] > before, 120, "B's first chunks saved")
+        pod.stop(signal.SIGKILL)
+        pod = start_sidecar(d / "pod", "64Mi", [redis.url], port=pod.info["port"])
+        s["restart"] = a.wait_done("restart")["outputs"][0]
+        # every reservation expires before its commit: a writer slower than its lease
+        pod.stop()
+        pod = start_sidecar(d / "pod", "64Mi", [redis.url], "--lease-seconds", "0.001", port=pod.info["port"])
+        s["slow"] = _run(a, "slow")
+        s["slow_stats"] = SidecarClient(pod.info["url"], timeout=5).stats()
+        pod.stop()
+        pod = start_sidecar(d / "pod", "64Mi", [redis.url], port=pod.info["port"])
+        s["D"] = _run(a, "D")
+        flushed = lambda: SidecarClient(pod.info["url"]).stats()["tiers"]["redis"]["queued"] == 0  # noqa: E731
+        wait_until(flushed, 60, "the write-behind of D")
+        a.finish()
+        s["pod"] = SidecarClient(pod.info["url"], timeout=5)
+
+        b = _engine(d, "b", tiny_model, fresh.info["url"], {"A": "A", "evicted": "D", "hung": "E"})
+        engines.append(b.start())
+        b.wait_done("warmup")
+        s["b_A"] = _run(b, "A")  # from Redis, promoted into this pod's arena
+        # Redis runs out of memory and evicts half of what it holds
+        used = _info(redis.port, "memory", "used_memory")
+        redis_call(redis.port, "CONFIG", "SET", "maxmemory", str(used // 2))
+        redis_call(redis.port, "SET", "kvpool-test-pressure", "x" * 4096)
+        s["evicted_keys"] = _info(redis.port, "stats", "evicted_keys")
+        middle = chunk_key(prompt_keys(tiny_model, PROMPTS["D"])[4])
+        redis_call(redis.port, "DEL", middle)  # and D's fifth chunk, at least, is one of them
+        s["evicted"] = _run(b, "evicted")
+        redis.proc.popen.send_signal(signal.SIGSTOP)  # Redis hangs
+        try:
+            s["hung"] = _run(b, "hung")
+        finally:
+            redis.proc.popen.send_signal(signal.SIGCONT)
+        b.finish()
+        s["fresh"] = SidecarClient(fresh.info["url"], timeout=5)
+        s["logs"] = "".join(e.log.read_text(errors="replace") for e in engines)
+        s["redis_reader"] = start_sidecar(d / "reader", "64Mi", [redis.url])  # reads Redis's copies
+        yield s
+    finally:
+        for e in engines:
+            e.kill()
+        for proc in (clean, pod, fresh, s.get("redis_reader")):
+            if proc is not None:
+                proc.stop()
+        redis.stop()
+
+
+def _info(port: int, section: str, field: str) -> int:
+    text = redis_call(port, "INFO", section)
+    return int(text.split(field.encode() + b":")[1].split(b"\r")[0])
+
+
+def _same(out: dict[str, Any], cold: dict[str, Any]) -> None:
+    assert out["token_ids"] == cold["token_ids"]
+    assert out["logprobs"] == cold["logprobs"]  # bit-identical floats
+
+
+def test_a_sidecar_killed_mid_save_changes_no_output(story) -> None:
+    _same(story["A"], story["cold"]["A"])
+    _same(story["restart"], story["cold"]["B"])
+
+
+def test_reservations_expiring_under_a_slow_writer_store_nothing(story) -> None:
+    _same(story["slow"], story["cold"]["C"])
+    stats = story["slow_stats"]
+    assert stats["refused_commits"] > 0 and stats["chunks"] == 0
+    _same(story["D"], story["cold"]["D"])
+
+
+def test_redis_evicting_and_hung_change_no_output(story) -> None:
+    _same(story["b_A"], story["cold"]["A"])
+    assert story["b_A"]["num_cached_tokens"] > 0  # loaded from Redis through another pod
+    assert story["evicted_keys"] > 0
+    _same(story["evicted"], story["cold"]["D"])
+    _same(story["hung"], story["cold"]["E"])
+    assert "Traceback" not in story["logs"]
+
+
+def test_no_wrong_byte_in_any_tier(story, tiny_model) -> None:
+    clean: SidecarClient = story["clean"]
+    reader = SidecarClient(story["redis_reader"].info["url"], timeout=10)
+    checked = 0
+    for p, tokens in PROMPTS.items():
+        for key in prompt_keys(tiny_model, tokens):
+            expected = clean.get(key)
+            assert expected is not None, f"the clean run did not store {p}'s chunk {key}"
+            for tier in (story["pod"], story["fresh"], reader):
+                data = tier.get(key)
+                if data is not None:
+                    assert data == expected, f"{p}: chunk {key} differs from the clean run's"
+                    checked += 1
+    assert checked > 20
