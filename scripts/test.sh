@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The test suite: lint, the newest vLLM's scheduler tests in their own environment, then everything
+# The test suite: lint and type checks, the newest vLLM's scheduler tests in their own environment, then everything
 # else but the kind e2e suite (it needs Docker and kind: `make e2e-kind`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
+.venv/bin/mypy  # the sidecar and the connector (pyproject.toml [tool.mypy])
 .venv-vllm-latest/bin/python -m pytest -m vllm_latest -p no:cacheprovider "$@"
 .venv/bin/python -m pytest -m "not vllm_latest and not kind" "$@"

@@ -151,3 +151,18 @@ def test_leases_and_reservations_expire_so_a_dead_client_leaks_nothing(sidecar_f
     assert c.reserve([(key(5, "pin"), CHUNK)]) == [None]
     wait_until(lambda: c.stats()["leases_expired"] == 1, 10, "the lease to expire")
     assert c.reserve([(key(5, "pin"), CHUNK)])[0] is not None  # pins gone: evictable again
+
+
+def test_the_index_is_bounded_in_chunks_not_only_in_bytes(sidecar_factory) -> None:
+    """Tiny or empty chunks cost the index memory, not arena bytes: --max-chunks caps them. A flood of
+    65,536 empty reservations in one batch gets at most that many, and later saves evict as usual."""
+    proc = sidecar_factory("64Mi", [], "--max-chunks", "1000")
+    c = client(proc)
+    flood = c.reserve([(key(i, "flood"), 0) for i in range(65536)])
+    assert sum(1 for s in flood if s is not None) == 1000
+    c.abort([s for s in flood if s is not None])
+    for batch in range(5):
+        save(c, {key(batch * 1000 + i, "tiny"): b"t" for i in range(1000)})
+    stats = c.stats()
+    assert stats["chunks"] == 1000 and stats["evictions"] >= 4000
+    assert c.lookup([key(4999, "tiny")]) == 1  # the newest stay

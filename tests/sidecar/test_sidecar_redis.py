@@ -68,7 +68,7 @@ def test_redis_stopped_mid_run_then_back_on_the_same_port(sidecar_factory, redis
 
 
 def test_write_behind_never_blocks_a_save_and_counts_what_it_drops(sidecar_factory, redis) -> None:
-    proc = sidecar_factory("64Mi", [redis.url], "--redis-queue-chunks", "2")
+    proc = sidecar_factory("64Mi", [redis.url], "--redis-queue-bytes", "250000")  # two chunks and a half
     c = client(proc)
     redis.proc.popen.send_signal(signal.SIGSTOP)  # Redis hangs: the writer blocks on its socket
     try:

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from .common import ChunkOp
-from .paged import PagedLayer
+from .paged import PagedLayer, host_bytes
 
 
 class ChunkIO:
@@ -49,10 +49,10 @@ class ChunkIO:
         for i, layer in enumerate(self.layers):
             rows = self.rows(chunk, op.chunk_blocks, i)
             layer.scatter(ids, rows[lo:hi])
-            h.update(rows[:lo].numpy())
+            h.update(host_bytes(rows[:lo]))
             for buf in layer.block_buffers(op.block_ids):
                 h.update(buf)
-            h.update(rows[hi:].numpy())
+            h.update(host_bytes(rows[hi:]))
         return h.intdigest()
 
     def save_cpu(self, chunk: torch.Tensor, op: ChunkOp) -> int:

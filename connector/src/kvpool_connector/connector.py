@@ -57,6 +57,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
+        if kv_cache_config is None:
+            raise ValueError("KVPoolConnector needs vLLM to pass kv_cache_config (vLLM 0.11 or newer)")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         check_failure_policy(self._kv_transfer_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
@@ -79,6 +81,16 @@ class KVPoolConnector(KVConnectorBase_V1):
             )
 
     @property
+    def _worker(self) -> KVPoolWorker:
+        assert self.worker is not None, "a worker-side call on the scheduler's connector"
+        return self.worker
+
+    @property
+    def _scheduler(self) -> KVPoolScheduler:
+        assert self.scheduler is not None, "a scheduler-side call on a worker's connector"
+        return self.scheduler
+
+    @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
 
@@ -88,7 +100,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         from vllm.v1.kv_cache_interface import group_kernel_blocks
 
         caches = [(n, group_kernel_blocks(kv_caches[n], self._num_blocks)) for n in self._layer_names]
-        self.worker.register_kv_caches(caches)
+        self._worker.register_kv_caches(caches)
 
     def _meta(self) -> KVPoolMetadata:
         meta = self._get_connector_metadata()
@@ -96,22 +108,22 @@ class KVPoolConnector(KVConnectorBase_V1):
         return meta
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self.worker.start_load(self._meta())
+        self._worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # loads are asynchronous: a loading request is not in the forward
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, (self.worker.get_finished() or None)
+        return None, (self._worker.get_finished() or None)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        self.worker.save_layer(layer_name, self._meta())
+        self._worker.save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self.worker.finish_step(self._meta())
+            self._worker.finish_step(self._meta())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker else set()
@@ -132,23 +144,23 @@ class KVPoolConnector(KVConnectorBase_V1):
     # --- scheduler side --------------------------------------------------------------------------
 
     def on_new_request(self, request: Request) -> None:
-        self.scheduler.track(request)
+        self._scheduler.track(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler.build_connector_meta(scheduler_output)
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler.update_connector_output(connector_output)
+        self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request)
+        return self._scheduler.request_finished(request)

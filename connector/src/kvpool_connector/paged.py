@@ -11,8 +11,6 @@ The chunk namespace names the layout, so the two formats never meet.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
@@ -82,17 +80,23 @@ class PagedLayer:
             values = src.reshape(-1).view(self.cache.dtype).view(n, *self.cache.shape[1:])
             self.cache.index_copy_(0, block_ids, values)
 
-    def block_buffers(self, block_ids: list[int]) -> list[Any]:
+    def block_buffers(self, block_ids: list[int]) -> list[memoryview]:
         """The bytes of blocks `block_ids` in the order gather() writes them, as buffers to hash
         (CPU only): the pages themselves when dense, else one copy in logical order."""
         if self.dense:
-            return [self.pages[b].numpy() for b in block_ids]
+            return [host_bytes(self.pages[b]) for b in block_ids]
         ids = torch.tensor(block_ids, dtype=torch.int64)
-        return [self.cache.index_select(0, ids).contiguous().view(torch.uint8).reshape(-1).numpy()]
+        return [host_bytes(self.cache.index_select(0, ids).contiguous().view(torch.uint8).reshape(-1))]
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs disagree
 
 
 def physical_order(cache: torch.Tensor) -> str:
     """The in-block dimension order by decreasing stride, e.g. 'HNC' or 'NHC' (for logs and checks)."""
     names = {4: "BHNC", 3: "BNC", 5: "BSNHC"}.get(cache.dim(), "B" + "X" * (cache.dim() - 1))
-    dims = sorted(range(1, cache.dim()), key=lambda d: -cache.stride(d))
+    strides = cache.stride()
+    dims = sorted(range(1, cache.dim()), key=lambda d: -strides[d])
     return "".join(names[d] for d in dims)

@@ -171,10 +171,10 @@ class KVPoolScheduler:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPoolMetadata:
         meta = KVPoolMetadata()
-        for st in self.reqs.values():  # loads of requests waiting for them (not scheduled this step)
-            if st.load is not None:
-                meta.loads.append(self._load_spec(st))
-                st.load = None
+        for waiting in self.reqs.values():  # loads of requests waiting for them (not scheduled now)
+            if waiting.load is not None:
+                meta.loads.append(self._load_spec(waiting))
+                waiting.load = None
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             if (st := self.reqs.get(new.req_id)) is not None:

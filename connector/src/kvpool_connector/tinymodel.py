@@ -60,7 +60,7 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     model.save_pretrained(directory, safe_serialization=True)
     marker.write_text(json.dumps(made))
     return directory

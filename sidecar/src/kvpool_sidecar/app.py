@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 KeyPath = Annotated[str, Path(pattern=KEY_PATTERN, description="lowercase hex, 32..128 characters")]
 BINARY = {"schema": {"type": "string", "format": "binary"}}
-ERRORS = {400: {"model": s.Error}, 413: {"model": s.Error}, 422: {"model": s.Error}}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": s.Error},
+    413: {"model": s.Error},
+    422: {"model": s.Error},
+}
 
 
 class BodyError(Exception):

@@ -23,7 +23,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from kvpool_sidecar.wire import (
     ARENA_FILE,
@@ -77,7 +77,7 @@ def _status_error(status: int, message: str) -> SidecarError:
     return SidecarRefused(message) if 400 <= status < 500 else SidecarUnavailable(message)
 
 
-class _Pool:
+class _Pool(Generic[C]):
     """Idle connections for reuse; a connection is used by one thread at a time."""
 
     def __init__(self, connect: Callable[[], C], close: Callable[[C], None], keep: int = 8) -> None:
@@ -139,10 +139,10 @@ class SidecarClient:
         self._host = parsed.hostname
         self._port = parsed.port or 80
         self._shm_path = shm_path
-        self._http = _Pool(
+        self._http: _Pool[http.client.HTTPConnection] = _Pool(
             lambda: http.client.HTTPConnection(self._host, self._port, timeout=timeout), _close_quietly
         )
-        self._sock: _Pool | None = None
+        self._sock: _Pool[socket.socket] | None = None
         self._sock_checked = control == "http"
         self._control_mode = control
         self._arena: memoryview | None = None
@@ -157,7 +157,7 @@ class SidecarClient:
         self,
         method: str,
         path: str,
-        body: bytes | memoryview | None = None,
+        body: bytes | bytearray | memoryview | None = None,
         headers: dict[str, str] | None = None,
     ) -> tuple[int, bytes]:
         for attempt in (0, 1):
@@ -192,7 +192,7 @@ class SidecarClient:
         except ValueError as e:
             raise SidecarUnavailable(f"{method} {path}: answer is not JSON") from e
 
-    def _socket_pool(self) -> _Pool | None:
+    def _socket_pool(self) -> _Pool[socket.socket] | None:
         """The Unix-socket pool, if the control socket exists where this process sees the arena."""
         if not self._sock_checked:
             path = self._socket_path()  # raises while the sidecar is unreachable: asked again next time

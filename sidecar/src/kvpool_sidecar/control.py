@@ -45,9 +45,7 @@ def pin(store: Store, req: s.PinRequest) -> s.PinResponse:
     return s.PinResponse(
         lease=lease,
         epoch=store.arena.epoch,
-        slots=[
-            s.ChecksummedSlot(key=x.key, offset=x.offset, length=x.length, checksum=x.checksum) for x in slots
-        ],
+        slots=[_pinned_model(x) for x in slots],
     )
 
 
@@ -57,6 +55,13 @@ def verify(store: Store, req: s.VerifyRequest) -> s.VerifyResponse:
 
 def release(store: Store, req: s.ReleaseRequest) -> s.ReleaseResponse:
     return s.ReleaseResponse(released=store.release(req.lease))
+
+
+def _pinned_model(slot: Slot) -> s.ChecksummedSlot:
+    assert slot.checksum is not None  # a pinned chunk always has the checksum it was saved with
+    return s.ChecksummedSlot(
+        key=slot.key, offset=slot.offset, length=slot.length, gen=0, checksum=slot.checksum
+    )
 
 
 def _slot_model(slot: Slot) -> s.SlotModel:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.settings import Settings
 from kvpool_sidecar.store import Store
 from kvpool_sidecar.wire import CONTROL_SOCKET
+
+if TYPE_CHECKING:
+    from kvpool_sidecar.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 
@@ -18,13 +22,13 @@ class Sidecar:
     settings: Settings
     arena: Arena
     store: Store
-    redis: object | None = None  # kvpool_sidecar.redis_tier.RedisTier, imported only when configured
+    redis: RedisTier | None = None  # imported only when configured
     redis_refused: str | None = None  # why a configured Redis tier is off
 
     @classmethod
     def build(cls, settings: Settings) -> Sidecar:
         arena = Arena(settings.arena_dir, settings.capacity, settings.shared_group)
-        store = Store(arena, lease_seconds=settings.lease_seconds)
+        store = Store(arena, lease_seconds=settings.lease_seconds, max_chunks=settings.max_chunks)
         sidecar = cls(settings, arena, store)
         if (
             (settings.redis_urls or settings.redis_urls_file)

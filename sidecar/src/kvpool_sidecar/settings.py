@@ -43,7 +43,8 @@ class Settings:
     lease_seconds: float = 30.0
     status_host: str = "0.0.0.0"
     status_port: int = 0
-    redis_queue_chunks: int = 256
+    redis_queue_bytes: int = 0  # 0: half the capacity
+    max_chunks: int = 200_000
     log_level: str = "info"
 
 
@@ -104,10 +105,17 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="read-only /healthz /readyz /stats /metrics on this port (0: off)",
     )
     p.add_argument(
-        "--redis-queue-chunks",
+        "--redis-queue-bytes",
+        type=parse_quantity,
+        default=default("redis-queue-bytes", d.redis_queue_bytes),
+        help="write-behind backlog in bytes (0: half the capacity); saves beyond it are not written "
+        "to Redis (counted)",
+    )
+    p.add_argument(
+        "--max-chunks",
         type=int,
-        default=default("redis-queue-chunks", d.redis_queue_chunks),
-        help="write-behind queue length; saves beyond it are not written to Redis (counted)",
+        default=default("max-chunks", d.max_chunks),
+        help="chunks the index holds at most (its memory, about 0.3 KiB each); beyond, eviction",
     )
     p.add_argument(
         "--shared-group",
@@ -136,6 +144,10 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         parser.error("--max-chunk-bytes must be positive")
     if ns.lease_seconds <= 0:
         parser.error("--lease-seconds must be positive")
+    if ns.max_chunks <= 0:
+        parser.error("--max-chunks must be positive")
+    if ns.redis_queue_bytes < 0:
+        parser.error("--redis-queue-bytes must not be negative")
     return Settings(
         host=ns.host,
         port=ns.port,
@@ -151,6 +163,7 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         lease_seconds=ns.lease_seconds,
         status_host=ns.status_host,
         status_port=ns.status_port,
-        redis_queue_chunks=ns.redis_queue_chunks,
+        redis_queue_bytes=ns.redis_queue_bytes,
+        max_chunks=ns.max_chunks,
         log_level=ns.log_level,
     )

@@ -25,6 +25,7 @@ from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.wire import Slot, checksum, checksum_pieces
 
 log = logging.getLogger(__name__)
+_SLICE = 256  # batch items handled under one hold of the lock
 
 
 class PutResult(Enum):
@@ -35,7 +36,7 @@ class PutResult(Enum):
     EXPIRED = "expired"  # the reservation expired while the body was written: nothing stored
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: half a million entries must fit the sidecar's allowance
 class Entry:
     key: str
     offset: int
@@ -85,7 +86,7 @@ class LowerTier(Protocol):
     """What the store needs from the Redis tier (None when there is none)."""
 
     def usable(self) -> bool: ...
-    def saved(self, key: str) -> None: ...
+    def saved(self, key: str, length: int) -> None: ...
     def deleted(self, key: str) -> None: ...
     def exists_many(self, keys: Sequence[str]) -> list[bool]: ...
     def fetch(self, key: str) -> Fetched | None: ...
@@ -93,11 +94,19 @@ class LowerTier(Protocol):
 
 class Store:
     def __init__(
-        self, arena: Arena, *, lease_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic
+        self,
+        arena: Arena,
+        *,
+        lease_seconds: float = 30.0,
+        max_chunks: int = 200_000,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.arena = arena
         self.capacity = arena.capacity
         self.lease_seconds = lease_seconds
+        # The index's own memory is bounded too (about 0.3 KiB per chunk): beyond this many chunks,
+        # stored or reserved, the least valuable is evicted as when bytes run out.
+        self.max_chunks = max_chunks
         self.counters = Counters()
         self.lower: LowerTier | None = None
         self._clock = clock
@@ -166,6 +175,12 @@ class Store:
     def _allocate(self, length: int, protect: set[str]) -> int | None:
         if self._alloc.footprint(length) > self.capacity:
             return None
+        while len(self._entries) >= self.max_chunks:
+            victim = self._victim(protect)
+            if victim is None:
+                return None
+            self._drop(victim)
+            self.counters.evictions += 1
         while True:
             offset = self._alloc.alloc(length)
             if offset is not None:
@@ -197,9 +212,18 @@ class Store:
         """Room for each (key, length): None where the key is stored or being written, or no room.
         A key that is stored already counts as used now: a hot prefix saved again stays recent."""
         out: list[Slot | None] = []
+        batch = {k for k, _ in items}
+        # In slices, the lock released between them: a huge batch never holds lookups for long.
+        for start in range(0, len(items), _SLICE):
+            out += self._reserve_slice(items[start : start + _SLICE], batch, priority)
+        return out
+
+    def _reserve_slice(
+        self, items: Sequence[tuple[str, int]], batch: set[str], priority: int
+    ) -> list[Slot | None]:
+        out: list[Slot | None] = []
         with self._lock:
             self._reap()
-            batch = {k for k, _ in items}
             deadline = self._clock() + self.lease_seconds
             for key, length in items:
                 e = self._entries.get(key)
@@ -239,7 +263,7 @@ class Store:
         """Makes reserved slots loadable with the checksum of their bytes, computed by the writer over
         its source; False (counted) where the slot is no longer that writer's reservation."""
         done: list[bool] = []
-        saved: list[str] = []
+        saved: list[tuple[str, int]] = []
         with self._lock:
             for slot, digest in items:
                 e = self._reserved(slot)
@@ -252,11 +276,11 @@ class Store:
                 self._link(e)
                 self._stored_bytes += e.length
                 self.counters.bytes_in += e.length
-                saved.append(e.key)
+                saved.append((e.key, e.length))
                 done.append(True)
         if self.lower is not None:
-            for key in saved:
-                self.lower.saved(key)
+            for key, length in saved:
+                self.lower.saved(key, length)
         return done
 
     def abort(self, slots: Sequence[Slot]) -> None:
@@ -445,8 +469,10 @@ class Store:
             return (e.checksum, e.priority) if e is not None and e.stored else None
 
     @contextlib.contextmanager
-    def pinned(self, keys: Sequence[str], **kwargs: bool) -> Iterator[list[Slot]]:
-        lease_id, slots = self.pin(keys, **kwargs)
+    def pinned(
+        self, keys: Sequence[str], *, promote: bool = True, account: bool = True
+    ) -> Iterator[list[Slot]]:
+        lease_id, slots = self.pin(keys, promote=promote, account=account)
         try:
             yield slots
         finally:
