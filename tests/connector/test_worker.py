@@ -126,12 +126,19 @@ def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sid
     """A 70B model at TP 1 with 256-token chunks exceeds a small --max-chunk-bytes: one clear error,
     then no more asking (and no warning per step)."""
     proc = sidecar_factory("16Mi", [], "--max-chunk-bytes", "65536")
-    w = KVPoolWorker(KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64), rank=0)
-    w.register_kv_caches(_layers(5))
-    assert w.chunk_bytes(2) > 65536
-    for step in range(3):
-        w.finish_step(KVPoolMetadata(saves=[SaveSpec(f"r{step}", 0, _ops([[2 * step, 2 * step + 1]]))]))
-    errors = [r for r in caplog.records if r.levelname == "ERROR" and "max-chunk-bytes" in r.getMessage()]
-    assert len(errors) == 1
-    assert SidecarClient(proc.info["url"]).stats()["reserved_chunks"] == 0
-    assert w.take_stats().data["saved_chunks"] == 0
+    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
+    # told its chunk size at registration (the connector does): checked there, before any request;
+    # not told (or the sidecar not up yet then): checked by the first save's refusal
+    for chunk_blocks in (2, 0):
+        caplog.clear()
+        w = KVPoolWorker(cfg, rank=0)
+        w.register_kv_caches(_layers(5), chunk_blocks=chunk_blocks)
+        assert w.chunk_bytes(2) > 65536
+        for step in range(3):
+            w.finish_step(KVPoolMetadata(saves=[SaveSpec(f"r{step}", 0, _ops([[2 * step, 2 * step + 1]]))]))
+        errors = [r for r in caplog.records if r.levelname == "ERROR" and "max-chunk-bytes" in r.getMessage()]
+        assert len(errors) == 1
+        assert SidecarClient(proc.info["url"]).stats()["reserved_chunks"] == 0
+        stats = w.take_stats()
+        assert stats is None or stats.data["saved_chunks"] == 0
+        w.shutdown()

@@ -173,3 +173,23 @@ def test_a_pin_its_caller_gave_up_on_leaves_no_lease(sidecar_factory) -> None:
     assert [s.key for s in pinned.slots] == [key(1, "gave-up")]
     c.release(pinned.lease)
     assert c.stats()["pinned_leases"] == 0
+
+
+def test_the_write_behind_keeps_every_rank_copy_of_a_chunk_or_none(tmp_path, redis) -> None:
+    """The ranks of a TP engine commit their copies of a chunk one after another; with the backlog
+    at its bound, a lone copy in Redis would be a miss that takes room. A group is admitted or
+    dropped as a whole (the tier's queue, in process: its writer is not started)."""
+    from kvpool_sidecar.arena import Arena
+    from kvpool_sidecar.redis_tier import RedisTier
+    from kvpool_sidecar.store import Store
+
+    tier = RedisTier(Store(Arena(tmp_path / "arena", 2**20)), (redis.url,), queue_bytes=250)
+    order = [("r0c0", "c0"), ("r0c1", "c1"), ("r1c0", "c0"), ("r1c1", "c1"), ("r0c2", "c2"), ("r1c2", "c2")]
+    for name, group in order:  # 100 bytes each: by bytes alone, r1c0 and r1c1 would be dropped
+        tier.saved(key(0, name), 100, key(0, group))
+    queued = set()
+    while not tier._queue.empty():
+        queued.add(tier._queue.get_nowait()[1])
+    assert queued == {key(0, n) for n in ("r0c0", "r1c0", "r0c1", "r1c1")}
+    assert tier.counters.dropped == 2  # both copies of c2
+    tier.close()

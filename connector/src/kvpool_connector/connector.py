@@ -75,10 +75,11 @@ class KVPoolConnector(KVConnectorBase_V1):
             )
             self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size)
         else:
-            stored_group(kv_cache_config, self.cfg.chunk_size)  # the scheduler's namespace checks it too
+            group = stored_group(kv_cache_config, self.cfg.chunk_size)  # the scheduler checks it too
             self.worker = KVPoolWorker(
                 self.cfg, _worker_rank(vllm_config.parallel_config.tensor_parallel_size)
             )
+            self._chunk_blocks = self.cfg.chunk_size // group.kv_cache_spec.block_size
 
     @property
     def _worker(self) -> KVPoolWorker:
@@ -100,7 +101,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         from vllm.v1.kv_cache_interface import group_kernel_blocks
 
         caches = [(n, group_kernel_blocks(kv_caches[n], self._num_blocks)) for n in self._layer_names]
-        self._worker.register_kv_caches(caches)
+        self._worker.register_kv_caches(caches, chunk_blocks=self._chunk_blocks)
 
     def _meta(self) -> KVPoolMetadata:
         meta = self._get_connector_metadata()

@@ -96,7 +96,8 @@ class KVPoolWorker:
 
     # --- setup -----------------------------------------------------------------------------------
 
-    def register_kv_caches(self, caches: list[tuple[str, torch.Tensor]]) -> None:
+    def register_kv_caches(self, caches: list[tuple[str, torch.Tensor]], chunk_blocks: int = 0) -> None:
+        """chunk_blocks: blocks per full chunk, to check at once that the sidecar takes such chunks."""
         layers = [PagedLayer(t) for _, t in caches]
         self.io = ChunkIO(layers)
         self.layer_index = {name: i for i, (name, _) in enumerate(caches)}
@@ -104,6 +105,8 @@ class KVPoolWorker:
             self._stream = torch.cuda.Stream()
             self._mapping = ArenaMapping(self._arena_path, cuda=True)
         self._loader.submit(torch.zeros(1).copy_, torch.ones(1)).result()  # started now, not in a request
+        if chunk_blocks:
+            self._check_chunk_size(self.io.chunk_bytes(chunk_blocks))
         log.info(
             "kvpool: %d layers, %d bytes per block, %s copies, device %s",
             len(layers),
@@ -114,6 +117,17 @@ class KVPoolWorker:
 
     def chunk_bytes(self, num_blocks: int) -> int:
         return self.io.chunk_bytes(num_blocks)
+
+    def _check_chunk_size(self, size: int) -> None:
+        """Turns saving off at start, with one clear error, when the sidecar refuses chunks this big
+        (a 70B model at TP 1 with 256-token chunks); a sidecar not up yet is checked at the first
+        save instead (its refusal does the same)."""
+        try:
+            limit = int(self.client.arena_info()["max_chunk_bytes"])
+        except (SidecarError, KeyError, ValueError, TypeError):
+            return
+        if size > limit:
+            self._refused(SidecarRefused(f"a chunk is {size} bytes, the sidecar's --max-chunk-bytes {limit}"))
 
     def _arena_path(self) -> str:
         if self.cfg.shm_path:
@@ -278,7 +292,9 @@ class KVPoolWorker:
             for priority in dict.fromkeys(s.priority for s in saves):
                 group = [s for s in saves if s.priority == priority]
                 slots = self.client.reserve(
-                    [(s.key, self.io.chunk_bytes(s.op.chunk_blocks)) for s in group], priority=priority
+                    [(s.key, self.io.chunk_bytes(s.op.chunk_blocks)) for s in group],
+                    priority=priority,
+                    groups={s.key: s.op.link.hex() for s in group},  # every rank's copy: one group
                 )
                 for s, slot in zip(group, slots, strict=True):
                     if slot is None:

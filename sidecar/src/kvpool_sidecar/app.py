@@ -227,7 +227,12 @@ def create_app(sidecar: Sidecar) -> FastAPI:
 
     @app.get("/v1/arena", tags=["arena"])
     async def arena_info() -> s.ArenaInfo:
-        return s.ArenaInfo(path=str(sidecar.arena.path), size=sidecar.arena.size, socket=sidecar.socket_path)
+        return s.ArenaInfo(
+            path=str(sidecar.arena.path),
+            size=sidecar.arena.size,
+            socket=sidecar.socket_path,
+            max_chunk_bytes=max_chunk,
+        )
 
     @app.post("/v1/arena/reserve", tags=["arena"], responses=ERRORS)
     async def reserve(req: s.ReserveRequest) -> s.ReserveResponse:

@@ -21,7 +21,7 @@ import secrets
 import socket
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
@@ -339,16 +339,31 @@ class SidecarClient:
             self._arena = memoryview(self._arena_map)
             return self._arena
 
+    def arena_info(self) -> dict[str, Any]:
+        """GET /v1/arena: the arena's path and size, the control socket, the largest chunk allowed."""
+        return dict(self._json("GET", "/v1/arena"))
+
     def _arena_file(self) -> str:
         if self._shm_path is not None:
             return os.path.join(self._shm_path, ARENA_FILE)
         return str(self._json("GET", "/v1/arena")["path"])
 
-    def reserve(self, items: Sequence[tuple[str, int]], priority: int = 0) -> list[Slot | None]:
-        """Room for each (key, length): None where the key is already stored or there is no room."""
+    def reserve(
+        self, items: Sequence[tuple[str, int]], priority: int = 0, groups: Mapping[str, str] | None = None
+    ) -> list[Slot | None]:
+        """Room for each (key, length): None where the key is already stored or there is no room.
+        groups: key -> the chunk it is one rank's copy of (all ranks name the same group), so the
+        write-behind to Redis keeps all of a chunk's copies or none."""
         if not items:
             return []
-        body = {"items": [{"key": k, "length": int(n)} for k, n in items], "priority": int(priority)}
+        groups = groups or {}
+        body = {
+            "items": [
+                {"key": k, "length": int(n), **({"group": groups[k]} if k in groups else {})}
+                for k, n in items
+            ],
+            "priority": int(priority),
+        }
         answer = self._control("reserve", body)
         epoch = int(answer["epoch"])
         return [slot_from_json(x, epoch) if x else None for x in answer["slots"]]

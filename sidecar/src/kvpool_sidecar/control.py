@@ -26,7 +26,8 @@ def reserve(store: Store, req: s.ReserveRequest, max_chunk_bytes: int) -> s.Rese
             raise TooLarge(
                 f"chunk {item.key} is {item.length} bytes; the largest allowed is {max_chunk_bytes}"
             )
-    slots = store.reserve([(i.key, i.length) for i in req.items], req.priority)
+    groups = {i.key: i.group for i in req.items if i.group}
+    slots = store.reserve([(i.key, i.length) for i in req.items], req.priority, groups)
     return s.ReserveResponse(epoch=store.arena.epoch, slots=[_slot_model(x) if x else None for x in slots])
 
 

@@ -26,6 +26,7 @@ import queue
 import struct
 import threading
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,6 +215,7 @@ class RedisTier:
         # (op, key, bytes): unbounded in entries, bounded in bytes (see _enqueue)
         self._queue: queue.Queue[tuple[str, str, int]] = queue.Queue()
         self._queued_bytes = 0
+        self._groups: OrderedDict[str, bool] = OrderedDict()  # the admission of each recent group
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -336,11 +338,20 @@ class RedisTier:
 
     # --- write-behind -------------------------------------------------------------------------------
 
-    def saved(self, key: str, length: int) -> None:
+    def saved(self, key: str, length: int, group: str | None = None) -> None:
         """Called on commit: queue the chunk for Redis; never waits. The queue is bounded in bytes:
-        a backlog longer than that would mostly be evicted from the arena before its turn."""
+        a backlog longer than that would mostly be evicted from the arena before its turn. The ranks'
+        copies of one chunk (one group) are all queued or all dropped: a chunk is a hit only when
+        every rank has its copy, so a lone copy would only take room."""
         with self._lock:
-            if self._queued_bytes + length > self.queue_bytes:
+            admitted = self._groups.get(group) if group else None
+            if admitted is None:
+                admitted = self._queued_bytes + length <= self.queue_bytes
+                if group:
+                    self._groups[group] = admitted
+                    if len(self._groups) > 4096:
+                        self._groups.popitem(last=False)
+            if not admitted:
                 self.counters.dropped += 1
                 return
             self._queued_bytes += length

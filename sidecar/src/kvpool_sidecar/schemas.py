@@ -29,6 +29,11 @@ class LookupResponse(BaseModel):
 class ReserveItem(_Strict):
     key: Key
     length: Annotated[int, Field(ge=0)]
+    group: Key | None = Field(
+        None,
+        description="the chunk this key is one rank's copy of (every rank's copy names the same group): "
+        "the write-behind to Redis keeps all of a group's copies or none",
+    )
 
 
 class ReserveRequest(_Strict):
@@ -104,6 +109,7 @@ class ArenaInfo(BaseModel):
     path: str
     size: int
     socket: str | None
+    max_chunk_bytes: int  # a larger chunk is refused (413)
 
 
 class Error(BaseModel):

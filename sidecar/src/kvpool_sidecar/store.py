@@ -15,7 +15,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
@@ -49,6 +49,7 @@ class Entry:
     deadline: float = 0.0  # a reservation's expiry
     dropped: bool = False  # out of the index; its extent is freed when the last pin goes
     gen: int = 0  # the reservation's generation: a commit must echo it
+    group: str | None = None  # the chunk this is one rank's copy of
 
 
 @dataclass(eq=False)
@@ -86,7 +87,7 @@ class LowerTier(Protocol):
     """What the store needs from the Redis tier (None when there is none)."""
 
     def usable(self) -> bool: ...
-    def saved(self, key: str, length: int) -> None: ...
+    def saved(self, key: str, length: int, group: str | None) -> None: ...
     def deleted(self, key: str) -> None: ...
     def exists_many(self, keys: Sequence[str]) -> list[bool]: ...
     def fetch(self, key: str) -> Fetched | None: ...
@@ -208,18 +209,22 @@ class Store:
 
     # --- the arena protocol -----------------------------------------------------------------------
 
-    def reserve(self, items: Sequence[tuple[str, int]], priority: int = 0) -> list[Slot | None]:
+    def reserve(
+        self, items: Sequence[tuple[str, int]], priority: int = 0, groups: Mapping[str, str] | None = None
+    ) -> list[Slot | None]:
         """Room for each (key, length): None where the key is stored or being written, or no room.
-        A key that is stored already counts as used now: a hot prefix saved again stays recent."""
+        A key that is stored already counts as used now: a hot prefix saved again stays recent.
+        groups: key -> the chunk it is one rank's copy of (see LowerTier.saved)."""
         out: list[Slot | None] = []
+        groups = groups or {}
         batch = {k for k, _ in items}
         # In slices, the lock released between them: a huge batch never holds lookups for long.
         for start in range(0, len(items), _SLICE):
-            out += self._reserve_slice(items[start : start + _SLICE], batch, priority)
+            out += self._reserve_slice(items[start : start + _SLICE], batch, priority, groups)
         return out
 
     def _reserve_slice(
-        self, items: Sequence[tuple[str, int]], batch: set[str], priority: int
+        self, items: Sequence[tuple[str, int]], batch: set[str], priority: int, groups: Mapping[str, str]
     ) -> list[Slot | None]:
         out: list[Slot | None] = []
         with self._lock:
@@ -237,7 +242,9 @@ class Store:
                     out.append(None)
                     continue
                 gen = next(self._gens)
-                self._entries[key] = Entry(key, offset, length, priority, deadline=deadline, gen=gen)
+                self._entries[key] = Entry(
+                    key, offset, length, priority, deadline=deadline, gen=gen, group=groups.get(key)
+                )
                 out.append(Slot(key, offset, length, gen=gen, epoch=self.arena.epoch))
         return out
 
@@ -263,7 +270,7 @@ class Store:
         """Makes reserved slots loadable with the checksum of their bytes, computed by the writer over
         its source; False (counted) where the slot is no longer that writer's reservation."""
         done: list[bool] = []
-        saved: list[tuple[str, int]] = []
+        saved: list[tuple[str, int, str | None]] = []
         with self._lock:
             for slot, digest in items:
                 e = self._reserved(slot)
@@ -276,11 +283,11 @@ class Store:
                 self._link(e)
                 self._stored_bytes += e.length
                 self.counters.bytes_in += e.length
-                saved.append((e.key, e.length))
+                saved.append((e.key, e.length, e.group))
                 done.append(True)
         if self.lower is not None:
-            for key, length in saved:
-                self.lower.saved(key, length)
+            for key, length, group in saved:
+                self.lower.saved(key, length, group)
         return done
 
     def abort(self, slots: Sequence[Slot]) -> None:
