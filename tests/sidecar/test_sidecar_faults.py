@@ -193,3 +193,28 @@ def test_the_write_behind_keeps_every_rank_copy_of_a_chunk_or_none(tmp_path, red
     assert queued == {key(0, n) for n in ("r0c0", "r1c0", "r0c1", "r1c1")}
     assert tier.counters.dropped == 2  # both copies of c2
     tier.close()
+
+
+def test_lookups_are_answered_while_a_huge_batch_is_reserved(sidecar_factory) -> None:
+    """A 65,536-key reserve (the largest batch) runs off the event loop and takes the index's lock in
+    slices: lookups, which run inside vLLM's schedule(), are answered within their 1 s timeout."""
+    proc = sidecar_factory("64Mi")
+    c = client(proc, timeout=1.0)
+    save(c, {key(1, "hot"): b"h" * 4096})
+    big = client(proc, timeout=120)
+    done = threading.Event()
+
+    def reserve_all() -> None:
+        try:
+            big.reserve([(key(i, "huge"), 0) for i in range(65536)])
+        finally:
+            done.set()
+
+    t = threading.Thread(target=reserve_all)
+    t.start()
+    answered = 0
+    while not done.is_set():
+        assert c.lookup([key(1, "hot")]) == 1  # never a timeout
+        answered += 1
+    t.join()
+    assert answered > 0 and c.stats()["reserved_chunks"] == 65536

@@ -35,3 +35,4 @@ class SaveSpec:
 class KVPoolMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    idle: bool = False  # no token is computed in this step: the worker may wait for its loads

@@ -115,7 +115,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         pass  # loads are asynchronous: a loading request is not in the forward
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, (self._worker.get_finished() or None)
+        idle = self.has_connector_metadata() and self._meta().idle
+        return None, (self._worker.get_finished(wait=idle) or None)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

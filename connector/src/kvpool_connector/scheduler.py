@@ -170,7 +170,7 @@ class KVPoolScheduler:
     # --- per-step metadata -----------------------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPoolMetadata:
-        meta = KVPoolMetadata()
+        meta = KVPoolMetadata(idle=so.total_num_scheduled_tokens == 0)
         for waiting in self.reqs.values():  # loads of requests waiting for them (not scheduled now)
             if waiting.load is not None:
                 meta.loads.append(self._load_spec(waiting))

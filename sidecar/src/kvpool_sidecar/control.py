@@ -84,15 +84,23 @@ def _always(store: Store, req: Any) -> bool:
 
 
 def _asks_redis(store: Store, req: s.LookupRequest) -> bool:
-    return store.needs_lower(req.keys)
+    return len(req.keys) > BIG_BATCH or store.needs_lower(req.keys)
 
 
-# op name -> (request model, handler, whether a request runs off the event loop: it hashes or waits on Redis)
+BIG_BATCH = 256  # a batch longer than this runs off the event loop: the loop keeps answering lookups
+
+
+def _big(store: Store, req: Any) -> bool:
+    return len(getattr(req, "items", None) or getattr(req, "slots", None) or ()) > BIG_BATCH
+
+
+# op name -> (request model, handler, whether a request runs off the event loop: it hashes, waits on
+# Redis, or is a big batch)
 OPS: dict[str, tuple[type[BaseModel], Callable[..., Any], Callable[[Store, Any], bool]]] = {
     "lookup": (s.LookupRequest, lookup, _asks_redis),
-    "reserve": (s.ReserveRequest, reserve, _never),
-    "commit": (s.CommitRequest, commit, _never),
-    "abort": (s.AbortRequest, abort, _never),
+    "reserve": (s.ReserveRequest, reserve, _big),
+    "commit": (s.CommitRequest, commit, _big),
+    "abort": (s.AbortRequest, abort, _big),
     "pin": (s.PinRequest, pin, _always),
     "verify": (s.VerifyRequest, verify, _always),
     "release": (s.ReleaseRequest, release, _never),

@@ -42,6 +42,14 @@ def execute(sidecar: Sidecar, op: str, req: BaseModel) -> tuple[int, Any]:
     return 200, result if isinstance(result, dict) else result.model_dump()
 
 
+BIG_FRAME = 64 * 1024  # bytes: a request this big is validated and run off the event loop
+
+
+def parse_and_execute(sidecar: Sidecar, op: str, body: Any) -> tuple[int, Any]:
+    req = parse(op, body)
+    return req if isinstance(req, tuple) else execute(sidecar, op, req)
+
+
 async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     loop = asyncio.get_running_loop()
     try:
@@ -62,13 +70,16 @@ async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: 
                 writer.write(encode_frame({"status": 400, "body": {"error": "malformed frame"}}))
                 await writer.drain()
                 continue
-            req = parse(str(op), body)
-            if isinstance(req, tuple):
-                status, answer = req
-            elif control.OPS[op][2](sidecar.store, req):  # hashes or waits on Redis: off the loop
-                status, answer = await loop.run_in_executor(None, execute, sidecar, op, req)
+            if size > BIG_FRAME:  # validating a big batch alone takes a while: all of it off the loop
+                status, answer = await loop.run_in_executor(None, parse_and_execute, sidecar, str(op), body)
             else:
-                status, answer = execute(sidecar, op, req)
+                req = parse(str(op), body)
+                if isinstance(req, tuple):
+                    status, answer = req
+                elif control.OPS[op][2](sidecar.store, req):  # hashes or waits on Redis: off the loop
+                    status, answer = await loop.run_in_executor(None, execute, sidecar, op, req)
+                else:
+                    status, answer = execute(sidecar, op, req)
             writer.write(encode_frame({"status": status, "body": answer}))
             await writer.drain()
     except (ConnectionError, asyncio.IncompleteReadError):
