@@ -56,6 +56,13 @@ class LocalOperator:
         return self.proc.alive() and port_open(self.ip, WEBHOOK_PORT)
 
 
+def webhook_routed(cp: ControlPlane, release: str = RELEASE, namespace: str = RELEASE_NAMESPACE) -> bool:
+    """Whether the API server's calls to the release's webhook Service reach a pod now (through the
+    service network, as its admission calls go): until then a pod is admitted uninjected (failing open)."""
+    svc = cp.get(f"/api/v1/namespaces/{namespace}/services/{release}-webhook")
+    return bool(svc) and cp.network.resolve(f"{svc['spec']['clusterIP']}:443") is not None
+
+
 def start_operator_as(cp: ControlPlane, pod: dict[str, Any], workdir: Path) -> LocalOperator:
     """Runs `kvpool-operator` as the pod and waits for its webhook."""
     proc = spawn_operator_as(cp, pod, workdir)

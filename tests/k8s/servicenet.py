@@ -88,7 +88,9 @@ class ServiceNetwork:
     def resolve(self, target: str) -> tuple[str, int] | None:
         """<cluster IP>:<port> -> (a ready pod's IP, the target port), or None."""
         host, _, port_text = target.rpartition(":")
-        services = (self.cp.get("/api/v1/services") or {}).get("items", [])
+        # an API error is not "no such service": asked again before the call fails open
+        answer = self.cp.get("/api/v1/services") or self.cp.get("/api/v1/services")
+        services = (answer or {}).get("items", [])
         for svc in services:
             if svc["spec"].get("clusterIP") != host:
                 continue

@@ -36,6 +36,7 @@ from operatorkit import (
     restricted_pod_spec,
     running,
     start_operator_as,
+    webhook_routed,
 )
 from podchecks import assert_injected, untouched
 
@@ -57,6 +58,7 @@ def operator(
          "--set", "replicaCount=1")  # fmt: skip
     (pod,) = wait_until(lambda: [p for p in operator_pods(cp) if running(p)], 60, "the operator's pod to run")
     op = start_operator_as(cp, pod, tmp_path_factory.mktemp("operator"))
+    wait_until(lambda: webhook_routed(cp), 60, "the API server's route to the webhook")
     try:
         yield cp, op
     finally:
