@@ -322,7 +322,14 @@ def test_memory_utilization_scales_the_shared_tier_within_bounds_with_a_cooldown
     assert scale_state(cluster, ns) == (1, 1)
 
     cluster.memory.values["tier"] = 95.0  # almost twice the target: 2 shards
-    wait_until(lambda: scale_state(cluster, ns)[0] == 2, 30, "scale up to 2")
+
+    def scaled_up() -> bool:
+        # the shard stays ready, as a StatefulSet controller keeps reporting it (an operator patch of
+        # the object may land after the test's status patch above)
+        shards_ready(cluster, ns, 1)
+        return scale_state(cluster, ns)[0] == 2
+
+    wait_until(scaled_up, 60, "scale up to 2")
     assert scale_state(cluster, ns) == (2, 1)  # the new shard is not published before it is ready
     wait_until(
         lambda: any(e["reason"] == "Scaled" for e in cluster.api.events(ns, "tier")), 30, "a Scaled event"
