@@ -4,62 +4,30 @@ another one, bit-exact; a chunk the sidecar cannot serve becomes load errors, ne
 from __future__ import annotations
 
 import torch
-from kvtest import wait_until
+from workerkit import Layers, chunk_ops, make_layers, run_loads
 
 from kvpool_connector.common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from kvpool_connector.config import KVPoolConfig
-from kvpool_connector.keys import chain, rank_key
+from kvpool_connector.keys import rank_key
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_sidecar.client import SidecarClient
-
-BLOCKS, HEADS, BS, HEAD = 16, 2, 32, 64
-Layers = list[tuple[str, torch.Tensor]]
-
-
-def _layers(seed: int | None) -> Layers:
-    g = torch.Generator().manual_seed(seed or 0)
-    out = []
-    for i in range(3):
-        t = torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g, dtype=torch.float32)
-        out.append((f"layer{i}", t if seed is not None else torch.zeros_like(t)))
-    return out
-
-
-def _ops(blocks: list[list[int]]) -> list[ChunkOp]:
-    links = chain(b"seed" * 4, list(range(64 * len(blocks))), 64)
-    return [ChunkOp(link, 2, ids) for link, ids in zip(links, blocks, strict=True)]
 
 
 def _two_workers(url: str, seed: int) -> tuple[KVPoolWorker, KVPoolWorker, Layers, Layers]:
     """A worker whose cache holds random KV, and one whose cache is zeros, on the same sidecar."""
     cfg = KVPoolConfig(sidecar_url=url, chunk_size=64)
     src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
-    src_layers, dst_layers = _layers(seed), _layers(None)
+    src_layers, dst_layers = make_layers(seed), make_layers(None)
     src.register_kv_caches(src_layers)
     dst.register_kv_caches(dst_layers)
     return src, dst, src_layers, dst_layers
-
-
-def _load(worker: KVPoolWorker, meta: KVPoolMetadata) -> set[int]:
-    """Runs the step's loads as vLLM does (asynchronously): start them, then collect get_finished()
-    step after step until every request is reported; returns the blocks that failed."""
-    worker.start_load(meta)
-    want, done, failed = {spec.req_id for spec in meta.loads}, set(), set()
-
-    def finished() -> bool:
-        done.update(worker.get_finished())
-        failed.update(worker.take_load_errors())  # asked in the same step, as vLLM does
-        return done >= want
-
-    wait_until(finished, 30, f"the loads of {sorted(want)} to finish")
-    return failed
 
 
 def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) -> None:
     proc = sidecar_factory("16Mi")
     src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=1)
 
-    saves = _ops([[3, 7], [1, 12], [5, 6]])
+    saves = chunk_ops([[3, 7], [1, 12], [5, 6]])
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, saves)])
     src.finish_step(meta)
     assert src.take_stats().data["saved_chunks"] == 3
@@ -68,7 +36,7 @@ def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) 
     client = SidecarClient(proc.info["url"], timeout=5)
     assert client.delete(rank_key(saves[2].link, 0))
     loads = [ChunkOp(op.link, 2, ids) for op, ids in zip(saves, [[0, 2], [4, 8], [9, 10]], strict=True)]
-    assert _load(dst, KVPoolMetadata(loads=[LoadSpec("b", loads)])) == {9, 10}
+    assert run_loads(dst, KVPoolMetadata(loads=[LoadSpec("b", loads)])) == {9, 10}
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
         for sb, db in [(3, 0), (7, 2), (1, 4), (12, 8)]:
             assert torch.equal(s[sb], d[db])
@@ -76,7 +44,7 @@ def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) 
 
     # a load of the second block of a chunk only (behind vLLM's own prefix hit)
     meta = KVPoolMetadata(loads=[LoadSpec("c", [ChunkOp(saves[0].link, 2, [15], first_block=1)])])
-    assert _load(dst, meta) == set()
+    assert run_loads(dst, meta) == set()
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
         assert torch.equal(s[7], d[15])
 
@@ -85,16 +53,16 @@ def test_other_rank_sees_nothing_and_dead_sidecar_is_errors_not_exceptions(sidec
     proc = sidecar_factory("16Mi")
     cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64, timeout_ms=300)
     w0, w1 = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=1)
-    w0.register_kv_caches(_layers(2))
-    w1.register_kv_caches(_layers(None))
-    ops = _ops([[0, 1]])
+    w0.register_kv_caches(make_layers(2))
+    w1.register_kv_caches(make_layers(None))
+    ops = chunk_ops([[0, 1]])
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, ops)])
     w0.finish_step(meta)
     meta = KVPoolMetadata(loads=[LoadSpec("a", ops)])
-    assert _load(w1, meta) == {0, 1}  # rank 1's key differs from rank 0's
+    assert run_loads(w1, meta) == {0, 1}  # rank 1's key differs from rank 0's
     proc.kill()
-    assert _load(w0, meta) == {0, 1}
-    w0.finish_step(KVPoolMetadata(saves=[SaveSpec("x", 0, _ops([[2, 3]]))]))  # no exception
+    assert run_loads(w0, meta) == {0, 1}
+    w0.finish_step(KVPoolMetadata(saves=[SaveSpec("x", 0, chunk_ops([[2, 3]]))]))  # no exception
     assert w0.take_stats().data["sidecar_errors"] >= 2
 
 
@@ -104,7 +72,7 @@ def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(s
     and drops it."""
     proc = sidecar_factory("16Mi")
     src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=3)
-    saves = _ops([[0, 1], [2, 3], [4, 5]])
+    saves = chunk_ops([[0, 1], [2, 3], [4, 5]])
     src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, saves)]))
     client = SidecarClient(proc.info["url"], timeout=5)
     keys = [rank_key(op.link, 0) for op in saves]
@@ -112,8 +80,8 @@ def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(s
     client.arena()[pinned.slots[1].offset + 100] ^= 0x01  # behind the sidecar's back
     client.release(pinned.lease)
 
-    meta = KVPoolMetadata(loads=[LoadSpec("b", _ops([[6, 7], [8, 9], [10, 11]]))])
-    assert _load(dst, meta) == {8, 9, 10, 11}
+    meta = KVPoolMetadata(loads=[LoadSpec("b", chunk_ops([[6, 7], [8, 9], [10, 11]]))])
+    assert run_loads(dst, meta) == {8, 9, 10, 11}
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
         assert torch.equal(s[0], d[6]) and torch.equal(s[1], d[7])
     stats = dst.take_stats().data
@@ -132,10 +100,11 @@ def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sid
     for chunk_blocks in (2, 0):
         caplog.clear()
         w = KVPoolWorker(cfg, rank=0)
-        w.register_kv_caches(_layers(5), chunk_blocks=chunk_blocks)
+        w.register_kv_caches(make_layers(5), chunk_blocks=chunk_blocks)
         assert w.chunk_bytes(2) > 65536
         for step in range(3):
-            w.finish_step(KVPoolMetadata(saves=[SaveSpec(f"r{step}", 0, _ops([[2 * step, 2 * step + 1]]))]))
+            ops = chunk_ops([[2 * step, 2 * step + 1]])
+            w.finish_step(KVPoolMetadata(saves=[SaveSpec(f"r{step}", 0, ops)]))
         errors = [r for r in caplog.records if r.levelname == "ERROR" and "max-chunk-bytes" in r.getMessage()]
         assert len(errors) == 1
         assert SidecarClient(proc.info["url"]).stats()["reserved_chunks"] == 0

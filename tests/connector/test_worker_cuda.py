@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvtest import wait_until
+from workerkit import Layers, chunk_ops, make_layers, run_loads
 
 from kvpool_connector.common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from kvpool_connector.config import KVPoolConfig
-from kvpool_connector.keys import chain, rank_key
+from kvpool_connector.keys import rank_key
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_sidecar.client import SidecarClient
 
@@ -27,34 +27,8 @@ def _cuda() -> None:
         pytest.skip("needs a CUDA device (run where a GPU is lent)")
 
 
-BLOCKS, HEADS, BS, HEAD = 16, 2, 32, 64
-
-
-def _layers(seed: int | None) -> list[tuple[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed or 0)
-    out = []
-    for i in range(3):
-        t = torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g, dtype=torch.float16)
-        out.append((f"layer{i}", (t if seed is not None else torch.zeros_like(t)).cuda()))
-    return out
-
-
-def _ops(blocks: list[list[int]]) -> list[ChunkOp]:
-    links = chain(b"seed" * 4, list(range(64 * len(blocks))), 64)
-    return [ChunkOp(link, 2, ids) for link, ids in zip(links, blocks, strict=True)]
-
-
-def _load(worker: KVPoolWorker, meta: KVPoolMetadata) -> set[int]:
-    worker.start_load(meta)
-    want, done, failed = {s.req_id for s in meta.loads}, set(), set()
-
-    def finished() -> bool:
-        done.update(worker.get_finished())
-        failed.update(worker.take_load_errors())
-        return done >= want
-
-    wait_until(finished, 60, "the loads to finish")
-    return failed
+def _layers(seed: int | None) -> Layers:
+    return make_layers(seed, torch.float16, "cuda")
 
 
 def test_cuda_save_then_load_is_exact_and_the_arena_is_registered_once(sidecar_factory) -> None:
@@ -64,14 +38,14 @@ def test_cuda_save_then_load_is_exact_and_the_arena_is_registered_once(sidecar_f
     src_layers, dst_layers = _layers(1), _layers(None)
     src.register_kv_caches(src_layers)
     dst.register_kv_caches(dst_layers)
-    saves = _ops([[3, 7], [1, 12], [5, 6]])
+    saves = chunk_ops([[3, 7], [1, 12], [5, 6]])
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, saves)])
     for name, _ in src_layers:  # as vLLM calls it inside the forward, layer by layer
         src.save_layer(name, meta)
     src.finish_step(meta)
     assert src.take_stats().data["saved_chunks"] == 3
     loads = [ChunkOp(op.link, 2, ids) for op, ids in zip(saves, [[0, 2], [4, 8], [9, 10]], strict=True)]
-    assert _load(dst, KVPoolMetadata(loads=[LoadSpec("b", loads)])) == set()
+    assert run_loads(dst, KVPoolMetadata(loads=[LoadSpec("b", loads)])) == set()
     torch.cuda.synchronize()
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
         for sb, db in [(3, 0), (7, 2), (1, 4), (12, 8), (5, 9), (6, 10)]:
@@ -89,13 +63,13 @@ def test_cuda_corrupt_chunk_never_reaches_the_device(sidecar_factory) -> None:
     src.register_kv_caches(_layers(3))
     dst_layers = _layers(None)
     dst.register_kv_caches(dst_layers)
-    saves = _ops([[0, 1], [2, 3]])
+    saves = chunk_ops([[0, 1], [2, 3]])
     src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, saves)]))
     client = SidecarClient(proc.info["url"], timeout=5)
     pinned = client.pin([rank_key(saves[1].link, 0)])
     client.arena()[pinned.slots[0].offset + 100] ^= 0x01
     client.release(pinned.lease)
-    failed = _load(dst, KVPoolMetadata(loads=[LoadSpec("b", _ops([[6, 7], [8, 9]]))]))
+    failed = run_loads(dst, KVPoolMetadata(loads=[LoadSpec("b", chunk_ops([[6, 7], [8, 9]]))]))
     assert failed == {8, 9}
     torch.cuda.synchronize()
     for _, d in dst_layers:  # hashed in the private buffer before any DMA: nothing was copied
