@@ -74,9 +74,11 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         pod.stop(signal.SIGKILL)
         pod = start_sidecar(d / "pod", "64Mi", [redis.url], port=pod.info["port"])
         s["restart"] = a.wait_done("restart")["outputs"][0]
-        # every reservation expires before its commit: a writer slower than its lease
+        # every reservation expires before its commit: a writer slower than its lease (1 µs: less
+        # than one loopback round trip, so no writer on any machine is fast enough; 1 ms was not)
         pod.stop()
-        pod = start_sidecar(d / "pod", "64Mi", [redis.url], "--lease-seconds", "0.001", port=pod.info["port"])
+        lease = ["--lease-seconds", "0.000001"]
+        pod = start_sidecar(d / "pod", "64Mi", [redis.url], *lease, port=pod.info["port"])
         s["slow"] = _run(a, "slow")
         slow_pod = SidecarClient(pod.info["url"], timeout=5)
         s["slow_stats"] = slow_pod.stats()
@@ -137,10 +139,8 @@ def test_a_sidecar_killed_mid_save_changes_no_output(story) -> None:
 
 def test_reservations_expiring_under_a_slow_writer_store_nothing(story) -> None:
     _same(story["slow"], story["cold"]["C"])
-    assert story["slow_stats"]["refused_commits"] > 0  # writers slower than their 1 ms lease
-    clean: SidecarClient = story["clean"]
-    for key, data in story["slow_chunks"].items():  # what did get in, in time, is right
-        assert data is None or data == clean.get(key)
+    assert story["slow_stats"]["refused_commits"] > 0  # writers slower than their 1 µs lease
+    assert all(data is None for data in story["slow_chunks"].values())  # and nothing got in
     _same(story["D"], story["cold"]["D"])
 
 

@@ -134,7 +134,7 @@ def test_pin_without_sidecar_check_hands_the_checksums_and_verify_drops_what_fai
 
 
 def test_leases_and_reservations_expire_so_a_dead_client_leaks_nothing(sidecar_factory) -> None:
-    proc = sidecar_factory("256Ki", [], "--lease-seconds", "0.5")
+    proc = sidecar_factory("256Ki", [], "--lease-seconds", "2")
     c = client(proc)
     (slot,) = c.reserve([(key(1, "dead"), 256 * 1024)])  # the whole arena, never committed
     assert slot is not None

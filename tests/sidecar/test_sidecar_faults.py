@@ -25,7 +25,7 @@ def test_a_writer_whose_reservation_expired_never_lands(sidecar_factory) -> None
     """A writer stalls past its reservation; the extent goes to another chunk, which is written and
     committed; the stale writer then writes and commits. Its commit is refused, and the other
     chunk's bytes, overwritten in the arena, are never served as that chunk."""
-    proc = sidecar_factory("64Ki", [], "--lease-seconds", "0.5")  # room for exactly one chunk
+    proc = sidecar_factory("64Ki", [], "--lease-seconds", "2")  # room for exactly one chunk
     stale, fresh = client(proc), client(proc)
     a, b = payload(CHUNK, 1), payload(CHUNK, 2)
     (slot_a,) = stale.reserve([(key(1, "stale"), CHUNK)])
@@ -45,7 +45,7 @@ def test_a_writer_whose_reservation_expired_never_lands(sidecar_factory) -> None
 def test_a_stale_write_before_the_owners_commit_is_caught_too(sidecar_factory) -> None:
     """The stale bytes land between the owner's copy and its commit: the owner's checksum is of its
     own source, so the chunk fails its check instead of being stored as valid."""
-    proc = sidecar_factory("64Ki", [], "--lease-seconds", "0.5")
+    proc = sidecar_factory("64Ki", [], "--lease-seconds", "2")
     stale, fresh = client(proc), client(proc)
     a, b = payload(CHUNK, 3), payload(CHUNK, 4)
     (slot_a,) = stale.reserve([(key(3, "stale"), CHUNK)])
@@ -59,7 +59,7 @@ def test_a_stale_write_before_the_owners_commit_is_caught_too(sidecar_factory) -
 
 
 def test_a_slow_put_past_its_reservation_stores_nothing_and_overwrites_nothing(sidecar_factory) -> None:
-    proc = sidecar_factory("64Ki", [], "--lease-seconds", "0.5")
+    proc = sidecar_factory("64Ki", [], "--lease-seconds", "2")
     c = client(proc)
     url = urllib.parse.urlsplit(proc.info["url"])
     slow, fast = payload(CHUNK, 5), payload(CHUNK, 6)
