@@ -88,12 +88,13 @@ ENV PATH=/opt/vllm/bin:$PATH
 
 # ---- connector: your vLLM image plus kvpool's connector --------------------------------------------
 FROM ${VLLM_IMAGE} AS connector
+# The image runs as the user your vLLM image runs as (VLLM_USER, its USER; vLLM's own images run as
+# root): kvpool adds a package, never a different user or home.
+ARG VLLM_USER=root
 USER root
 COPY --from=wheels /wheels/ /tmp/wheels/
 # The connector needs the sidecar's client (stdlib + xxhash), not the sidecar's server dependencies.
 RUN python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/kvpool_connector-*.whl \
         /tmp/wheels/kvpool_sidecar-*.whl xxhash==4.1.0 \
-    && rm -rf /tmp/wheels \
-    && mkdir -p /home/kvpool && chown 65532:65532 /home/kvpool
-ENV HOME=/home/kvpool
-USER 65532:65532
+    && rm -rf /tmp/wheels
+USER ${VLLM_USER}

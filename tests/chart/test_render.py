@@ -14,7 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from chartkit import CHART, EXAMPLE_VALUES, NAMESPACE, find, of_kind, render_text
+from chartkit import CHART, EXAMPLE_VALUES, NAMESPACE, find, of_kind, render_text, run_helm, template_args
 
 VALUES = [None, *EXAMPLE_VALUES]
 VALUE_IDS = ["defaults", *(p.name for p in EXAMPLE_VALUES)]
@@ -114,7 +114,11 @@ def test_webhook_is_wired_to_the_operator(rendered: Callable, values_file: Path 
     pod = _operator(objects)
     container = pod["spec"]["containers"][0]
     (hook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
-    assert hook["failurePolicy"] == "Ignore" and hook["sideEffects"] == "None" and hook["timeoutSeconds"] <= 5
+    assert (
+        hook["failurePolicy"] == "Ignore"
+        and hook["sideEffects"] == "NoneOnDryRun"
+        and hook["timeoutSeconds"] <= 5
+    )
     assert hook["rules"] == [
         {
             "apiGroups": [""],
@@ -185,8 +189,11 @@ def test_namespaced_install_stays_in_its_namespaces(rendered: Callable) -> None:
     assert not of_kind(objects, "ClusterKopfPeering")
     (hook,) = find(objects, "MutatingWebhookConfiguration")["webhooks"]
     assert hook["namespaceSelector"]["matchExpressions"] == [
-        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": watched}
-    ]
+        {"key": "kvpool.dev/injection", "operator": "In", "values": ["enabled"]},
+        {"key": "kubernetes.io/metadata.name", "operator": "NotIn",
+         "values": ["kube-system", "kube-public", "kube-node-lease", "kvpool-system"]},
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": watched},
+    ]  # fmt: skip
     # Only the namespaced role's binding is cluster-wide-free.
     assert [b["roleRef"]["name"] for b in of_kind(objects, "ClusterRoleBinding")] == ["kvp-kvpool-cluster"]
 
@@ -230,3 +237,25 @@ def test_pod_monitor_scrapes_the_injected_sidecars(rendered: Callable, legacy: b
              for p in c.get("ports", [])}  # fmt: skip
     assert endpoint["port"] in ports
     assert str(ports[endpoint["port"]]) == injected["metadata"]["annotations"]["kvpool.dev/status-port"]
+
+
+@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+def test_the_webhook_is_opt_in_and_never_sees_system_namespaces(
+    rendered: Callable, values_file: Path | None
+) -> None:
+    (hook,) = find(rendered(values_file), "MutatingWebhookConfiguration")["webhooks"]
+    expressions = hook["namespaceSelector"]["matchExpressions"]
+    assert {"key": "kvpool.dev/injection", "operator": "In", "values": ["enabled"]} in expressions
+    (never,) = [e for e in expressions if e["operator"] == "NotIn"]
+    assert {"kube-system", "kube-public", "kube-node-lease", "kvpool-system"} <= set(never["values"])
+    (hook,) = find(rendered(None, "webhook.optIn=false"), "MutatingWebhookConfiguration")["webhooks"]
+    assert [e["operator"] for e in hook["namespaceSelector"]["matchExpressions"]] == ["NotIn"]
+
+
+def test_kubernetes_1_28_needs_the_legacy_sidecar() -> None:
+    """1.28 has native sidecars off by default: an injected init container with restartPolicy Always
+    would be refused there (or never start), so the chart refuses the install and says what to set."""
+    refused = run_helm(*template_args(), "--kube-version", "1.28.9")
+    assert refused.returncode != 0 and "legacySidecar=true" in refused.stderr
+    assert run_helm(*template_args(None, "legacySidecar=true"), "--kube-version", "1.28.9").returncode == 0
+    assert run_helm(*template_args(), "--kube-version", "1.29.0").returncode == 0

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kubeapi import Cluster, apps_path, core_path, pool_path, secret_value, wait_indexed
 from kvtest import free_port, wait_until
-from webhooks import admitted
+from webhooks import admitted, take_skip_reason
 
 from kvpool_connector.config import load_config
 from kvpool_operator import kube
@@ -445,6 +445,7 @@ def test_a_pool_the_schema_cannot_refuse_is_degraded_and_never_injected(cluster:
     }
     wait_indexed(cluster, ns)
     result, response = admitted(cluster.webhook_url, pod, ns)
+    assert take_skip_reason(result).startswith("PoolNotUsable: pool llama is not usable")
     assert result == pod and "not usable" in response["warnings"][0]
 
 

@@ -7,11 +7,12 @@ import datetime
 import pytest
 
 from kvpool_operator import conditions
-from kvpool_operator.injection import arena_size_limit, strip_flag
+from kvpool_operator.injection import arena_size_limit
 from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
 from kvpool_operator.scaling import desired_shards, shards_to_publish
 from kvpool_operator.selector import matches, to_query
+from kvpool_operator.vllm_target import strip_ours
 
 
 @pytest.mark.parametrize(
@@ -139,14 +140,16 @@ def test_shared_tier_conditions() -> None:
     assert (ready.status, degraded.status) == (True, False)
 
 
-def test_strip_flag() -> None:
-    argv = [
+def test_strip_ours_leaves_a_users_connector() -> None:
+    ours = '{"kv_connector":"KVPoolConnector","kv_connector_module_path":"kvpool_connector"}'
+    theirs = '{"kv_connector":"LMCacheConnectorV1"}'
+    argv = ["--model", "m", "--kv-transfer-config", ours, "--x", f"--kv_transfer_config={ours}",
+            "--kv-transfer-config", theirs, "--kv-transfer-configs"]  # fmt: skip
+    assert strip_ours(argv) == [
         "--model",
         "m",
-        "--kv-transfer-config",
-        "{}",
         "--x",
-        "--kv-transfer-config={}",
+        "--kv-transfer-config",
+        theirs,
         "--kv-transfer-configs",
     ]
-    assert strip_flag(argv, "--kv-transfer-config") == ["--model", "m", "--x", "--kv-transfer-configs"]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from kubeapi import Cluster, pool_path, wait_indexed
 from kvtest import wait_until
-from webhooks import admitted, review
+from webhooks import admitted, review, take_skip_reason
 
 from kvpool_operator.injection import decide
 from kvpool_operator.pool import parse_pool
@@ -156,11 +156,9 @@ EXPECTED_SOLO = {
                     "requests": {"cpu": "250m", "memory": "1280Mi"},
                     "limits": {"memory": "1280Mi"},
                 },
-                "startupProbe": probe("/readyz?tier=cpu", 2, 150),
                 "livenessProbe": probe("/healthz", 10, 6),
                 "securityContext": {
-                    "runAsNonRoot": True,
-                    "runAsUser": 65532,
+                    "runAsNonRoot": True,  # the uid: the image's, or the one the platform assigns
                     "runAsGroup": 65532,
                     "allowPrivilegeEscalation": False,
                     "readOnlyRootFilesystem": True,
@@ -188,7 +186,7 @@ def test_injection_is_idempotent(pools: Cluster) -> None:
     assert "patch" not in response
 
 
-def test_existing_kv_transfer_config_is_replaced(pools: Cluster) -> None:
+def test_a_users_own_connector_is_never_replaced(pools: Cluster) -> None:
     pod = vllm_pod({"app": "solo"})
     pod["spec"]["containers"][0]["args"] = [
         "--kv-transfer-config",
@@ -196,13 +194,11 @@ def test_existing_kv_transfer_config_is_replaced(pools: Cluster) -> None:
         "--model",
         "Qwen/Qwen3-0.6B",
     ]
-    result, _ = admitted(pools.webhook_url, pod, NS)
-    assert result["spec"]["containers"][0]["args"] == [
-        "--model",
-        "Qwen/Qwen3-0.6B",
-        "--kv-transfer-config",
-        SOLO_CONFIG,
-    ]
+    result, response = admitted(pools.webhook_url, pod, NS)
+    reason = take_skip_reason(result)
+    assert result == pod  # untouched but for the reason
+    assert reason.startswith("OwnConnector: container vllm already sets --kv-transfer-config")
+    assert "'Other'" in reason and any("'Other'" in w for w in response["warnings"])
 
 
 @pytest.mark.parametrize(
@@ -224,7 +220,8 @@ def test_pods_not_asked_for_are_untouched(pools: Cluster, labels: dict, meta: di
 def test_pod_matched_by_two_pools_is_untouched_with_warning_events(pools: Cluster) -> None:
     pod = vllm_pod({"team": "x"})
     result, response = admitted(pools.webhook_url, pod, NS)
-    assert result == pod and "patch" not in response
+    assert take_skip_reason(result).startswith("SeveralPools:")
+    assert result == pod
     assert any("team-a, team-b" in w for w in response["warnings"])
     for name in ("team-a", "team-b"):
         wait_until(
@@ -259,7 +256,9 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
         },
         {
             "name": "KVPOOL_REDIS_PASSWORD",
-            "valueFrom": {"secretKeyRef": {"name": "cached-kvpool-redis", "key": "password"}},
+            "valueFrom": {
+                "secretKeyRef": {"name": "cached-kvpool-redis", "key": "password", "optional": True}
+            },
         },
     ]
     assert {"name": "kvpool-redis-urls", "mountPath": "/etc/kvpool/redis", "readOnly": True} in sidecar[
@@ -267,9 +266,13 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
     ]
     assert {
         "name": "kvpool-redis-urls",
-        "configMap": {"name": "cached-kvpool", "items": [{"key": "redis-urls", "path": "redis-urls"}]},
+        "configMap": {
+            "name": "cached-kvpool",
+            "optional": True,
+            "items": [{"key": "redis-urls", "path": "redis-urls"}],
+        },
     } in result["spec"]["volumes"]
-    assert sidecar["startupProbe"]["httpGet"] == {"path": "/readyz?tier=cpu", "port": 8001}
+    assert "startupProbe" not in sidecar  # vLLM never waits on its cache
 
 
 def test_injected_pods_need_no_privileges(pools: Cluster) -> None:

@@ -54,3 +54,13 @@ def admitted(url: str, pod: dict[str, Any], namespace: str) -> tuple[dict[str, A
         ops = json.loads(base64.b64decode(response["patch"]))
         result = jsonpatch.apply_patch(result, ops)
     return result, response
+
+
+def take_skip_reason(pod: dict[str, Any]) -> str:
+    """Removes the webhook's kvpool.dev/skipped annotation from `pod` (and the annotations it made) and
+    returns it: what is left is compared with the pod as sent."""
+    annotations = pod["metadata"]["annotations"]
+    reason = annotations.pop("kvpool.dev/skipped")
+    if not annotations:
+        del pod["metadata"]["annotations"]
+    return reason

@@ -16,13 +16,12 @@ from kvpool_operator.connector_config import config_hash, kv_transfer_config, re
 from kvpool_operator.pods import opted_out
 from kvpool_operator.pool import Pool, problems
 from kvpool_operator.quantity import format_mebibytes
+from kvpool_operator.resources import guaranteed, sidecar_resources
 from kvpool_operator.selector import matches
 from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.vllm_target import Skip, strip_ours, target_container
 
-SIDECAR_OVERHEAD_BYTES = 256 * 2**20  # the sidecar process itself, beside its arena
-SIDECAR_CPU_REQUEST = "250m"
 ARENA_HEADROOM_BYTES = 2**20  # beside the arena file: the control socket, page rounding
-RUN_AS_USER = 65532  # any non-root uid: the files it shares with vLLM belong to names.ARENA_GROUP
 
 
 @dataclass
@@ -37,51 +36,60 @@ class Decision:
 def decide(
     pod: Mapping[str, Any], namespace: str, pools: Iterable[Pool], settings: OperatorSettings
 ) -> Decision:
-    """Which pool (if exactly one) claims this pod, and the injected pod."""
+    """Which pool (if exactly one) claims this pod, and the injected pod; a pod a pool claims but
+    kvpool cannot configure is admitted without the cache, annotated with the reason."""
     if opted_out(pod):
         return Decision(None)
     labels = (pod.get("metadata") or {}).get("labels") or {}
     claiming = [p for p in pools if p.namespace == namespace and matches(p.selector, labels)]
     if not claiming:
         return Decision(None)
+    outcome = _configurable(pod, claiming)
+    if isinstance(outcome, Skip):
+        skipped = remove_injection(pod)
+        annotations = skipped.setdefault("metadata", {}).setdefault("annotations", {})
+        annotations[names.SKIPPED_ANNOTATION] = f"{outcome.reason}: {outcome.message}"
+        return Decision(skipped, claiming, [f"kvpool: admitted without a cache: {outcome.message}"])
+    return Decision(inject(pod, claiming[0], settings, outcome), claiming)
+
+
+def _configurable(pod: Mapping[str, Any], claiming: list[Pool]) -> int | Skip:
+    """The vLLM container's index, or why the pod cannot get the cache without breaking it."""
     if len(claiming) > 1:
         keys = ", ".join(sorted(p.name for p in claiming))
-        return Decision(
-            None, claiming, [f"kvpool: pod matched by several pools ({keys}); admitted without a cache"]
-        )
+        return Skip("SeveralPools", f"the pod is selected by several pools ({keys})")
     pool = claiming[0]
     wrong = problems(pool)
     if wrong:
-        return Decision(None, claiming, [f"kvpool: pool {pool.name} is not usable ({'; '.join(wrong)})"])
-    if vllm_container_index(pod, pool) is None:
-        return Decision(
-            None,
-            claiming,
-            [f"kvpool: pool {pool.name} names container {pool.vllm_container!r}, the pod has none"],
+        return Skip("PoolNotUsable", f"pool {pool.name} is not usable ({'; '.join(wrong)})")
+    if (pod.get("spec") or {}).get("hostNetwork"):
+        return Skip(
+            "HostNetwork",
+            "the pod uses the host's network: its sidecar would share the node's loopback with other pods'",
         )
-    return Decision(inject(pod, pool, settings), claiming)
+    return target_container(pod, pool.vllm_container)
 
 
-def vllm_container_index(pod: Mapping[str, Any], pool: Pool) -> int | None:
-    containers = (pod.get("spec") or {}).get("containers") or []
-    if pool.vllm_container is None:
-        return 0 if containers else None
-    return next((i for i, c in enumerate(containers) if c.get("name") == pool.vllm_container), None)
-
-
-def inject(pod: Mapping[str, Any], pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
-    """The pod with kvpool's sidecar, volumes and connector config (replacing any earlier injection)."""
+def inject(
+    pod: Mapping[str, Any], pool: Pool, settings: OperatorSettings, index: int | None = None
+) -> dict[str, Any]:
+    """The pod with kvpool's sidecar, volumes and connector config (replacing any earlier injection);
+    `index` is the vLLM container's (found here when not given; ValueError when there is none)."""
+    if index is None:
+        found = target_container(pod, pool.vllm_container)
+        if isinstance(found, Skip):
+            raise ValueError(found.message)
+        index = found
+    qos_guaranteed = guaranteed(pod)  # judged before the sidecar joins
     result = remove_injection(pod)
     spec = result.setdefault("spec", {})
     config_text = render(kv_transfer_config(pool)[0])
 
-    index = vllm_container_index(result, pool)
-    assert index is not None, "decide() checks the container exists"
     vllm = spec["containers"][index]
     vllm.setdefault("volumeMounts", []).append({"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR})
     vllm["args"] = [*vllm.get("args", []), names.KV_TRANSFER_FLAG, config_text]
 
-    sidecar = sidecar_container(pool, settings)
+    sidecar = sidecar_container(pool, settings, qos_guaranteed)
     if settings.legacy_sidecar:
         spec["containers"].append(sidecar)
     else:
@@ -115,29 +123,17 @@ def remove_injection(pod: Mapping[str, Any]) -> dict[str, Any]:
                 ]
             for argv in ("command", "args"):
                 if argv in container:
-                    container[argv] = strip_flag(container[argv], names.KV_TRANSFER_FLAG)
+                    container[argv] = strip_ours(container[argv])
     if "initContainers" in spec and not spec["initContainers"]:
         del spec["initContainers"]
     if "volumes" in spec:
         spec["volumes"] = [v for v in spec["volumes"] if v.get("name") not in ours]
+    annotations = (result.get("metadata") or {}).get("annotations") or {}
+    annotations.pop(names.SKIPPED_ANNOTATION, None)
     return result
 
 
-def strip_flag(argv: list[str], flag: str) -> list[str]:
-    """argv without `flag value` and `flag=value`."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == flag:
-            skip = True
-        elif not arg.startswith(flag + "="):
-            out.append(arg)
-    return out
-
-
-def sidecar_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
+def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bool = False) -> dict[str, Any]:
     args = [
         "--host", "127.0.0.1",
         "--port", str(pool.sidecar_port),
@@ -160,7 +156,8 @@ def sidecar_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
             env.append(
                 {
                     "name": "KVPOOL_REDIS_PASSWORD",
-                    "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1]}},
+                    # optional, as the pool key: a missing Secret turns the Redis tier off, not the pod
+                    "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1], "optional": True}},
                 }
             )
     probe_port = pool.status_port
@@ -170,16 +167,14 @@ def sidecar_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
         "args": args,
         "ports": [{"name": "kvpool-status", "containerPort": probe_port, "protocol": "TCP"}],
         "volumeMounts": mounts,
-        "resources": sidecar_resources(pool),
-        # vLLM starts once its cache's CPU tier answers (native sidecar); a slow start is not a failure,
-        # and a Redis outage (which /readyz alone reports) must not hold vLLM back.
-        # No readiness probe: a sidecar's readiness is the pod's, and a Redis outage must stay a
-        # cache miss, never take vLLM out of its Service.
-        "startupProbe": _probe("/readyz?tier=cpu", probe_port, period=2, failures=150),
+        "resources": sidecar_resources(pool.capacity_bytes, pool.sidecar_resources, qos_guaranteed),
+        # No startup probe: a native sidecar's holds vLLM back until it passes, so a sidecar that cannot
+        # start would keep vLLM from ever starting. vLLM starts once the sidecar's process runs; a cache
+        # not answering yet is a miss. No readiness probe: a sidecar's readiness is the pod's, and a
+        # Redis outage must stay a cache miss, never take vLLM out of its Service.
         "livenessProbe": _probe("/healthz", probe_port, period=10, failures=6),
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
             "runAsGroup": names.ARENA_GROUP,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -205,16 +200,6 @@ def password_secret(pool: Pool) -> tuple[str, str] | None:
     return None
 
 
-def sidecar_resources(pool: Pool) -> dict[str, Any]:
-    """Memory covering the arena plus the process; the pool's own values win key by key."""
-    memory = format_mebibytes(pool.capacity_bytes + SIDECAR_OVERHEAD_BYTES)
-    given = pool.sidecar_resources or {}
-    return {
-        "requests": {"cpu": SIDECAR_CPU_REQUEST, "memory": memory, **(given.get("requests") or {})},
-        "limits": {"memory": memory, **(given.get("limits") or {})},
-    }
-
-
 def pod_volumes(pool: Pool) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": names.ARENA_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": arena_size_limit(pool)}}
@@ -223,8 +208,9 @@ def pod_volumes(pool: Pool) -> list[dict[str, Any]]:
         volumes.append(
             {
                 "name": names.REDIS_URLS_VOLUME,
-                "configMap": {
+                "configMap": {  # optional: without it the sidecar runs with no Redis shards
                     "name": names.config_map_name(pool.name),
+                    "optional": True,
                     "items": [{"key": names.REDIS_URLS_KEY, "path": names.REDIS_URLS_KEY}],
                 },
             }

@@ -84,6 +84,12 @@ class ApiError(Exception):
         super().__init__(f"{status}: {message}")
         self.status = status
 
+    @property
+    def transient(self) -> bool:
+        """Worth retrying as is: the server's errors, conflicts, throttling. Other 4xx (invalid, forbidden,
+        over quota) answer the same until someone changes the pool, the quota or the RBAC."""
+        return self.status >= 500 or self.status in (404, 408, 409, 429)
+
 
 def login(**_: Any) -> kopf.ConnectionInfo:
     """kopf's login handler and this module's credentials: the pod's service account, else kubeconfig."""

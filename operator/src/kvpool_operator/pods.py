@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -16,7 +17,10 @@ from kvpool_operator import names
 class PodCounts:
     matched: int  # selected by the pool and not opted out
     ready: int  # injected by this pool and Ready
-    outdated: int  # matched, but not running the pool's current connector config (or no cache at all)
+    outdated: int  # matched, not skipped, but not running the pool's current connector config
+    injected: int = 0  # carrying this pool's cache
+    skipped: int = 0  # admitted without the cache, for a reason each pod's annotation gives
+    skip_reasons: dict[str, int] = field(default_factory=dict)
 
 
 def opted_out(pod: Mapping[str, Any]) -> bool:
@@ -42,12 +46,27 @@ def count(pods: Iterable[Mapping[str, Any]], pool_name: str, current_hash: str) 
     live = [p for p in pods if not opted_out(p) and not p.get("metadata", {}).get("deletionTimestamp")]
     injected = [p for p in live if injected_by(p, pool_name)]
     ready = [p for p in injected if is_ready(p)]
+    reasons = Counter(r for p in live if (r := skip_reason(p)) is not None)
     outdated = [
         p
         for p in live
-        if (p["metadata"].get("annotations") or {}).get(names.CONFIG_HASH_ANNOTATION) != current_hash
+        if skip_reason(p) is None
+        and (p["metadata"].get("annotations") or {}).get(names.CONFIG_HASH_ANNOTATION) != current_hash
     ]
-    return PodCounts(matched=len(live), ready=len(ready), outdated=len(outdated))
+    return PodCounts(
+        matched=len(live),
+        ready=len(ready),
+        outdated=len(outdated),
+        injected=len(injected),
+        skipped=sum(reasons.values()),
+        skip_reasons=dict(sorted(reasons.items())),
+    )
+
+
+def skip_reason(pod: Mapping[str, Any]) -> str | None:
+    """The reason a pod was admitted without the cache (its kvpool.dev/skipped annotation's first word)."""
+    text = (pod.get("metadata", {}).get("annotations") or {}).get(names.SKIPPED_ANNOTATION)
+    return text.split(":", 1)[0] if text else None
 
 
 def stats_url(pod: Mapping[str, Any]) -> str | None:

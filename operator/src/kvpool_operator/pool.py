@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_operator.quantity import parse_quantity
+from kvpool_operator.resources import resource_problems
 
 DEFAULT_CAPACITY = "4Gi"
 DEFAULT_CHUNK_SIZE = 256
@@ -145,16 +146,7 @@ def problems(pool: Pool) -> list[str]:
         return [f"spec.capacity {pool.capacity!r} is not a quantity"]
     if capacity < MIN_CAPACITY_BYTES:
         found.append(f"spec.capacity {pool.capacity} is below the minimum of 16Mi")
-    limits = (pool.sidecar_resources or {}).get("limits") or {}
-    if "memory" in limits:
-        try:
-            if parse_quantity(limits["memory"]) < capacity:
-                found.append(
-                    f"spec.sidecar.resources.limits.memory {limits['memory']} is less than spec.capacity "
-                    f"{pool.capacity}: the arena would not fit"
-                )
-        except ValueError:
-            found.append(f"spec.sidecar.resources.limits.memory {limits['memory']!r} is not a quantity")
+    found += resource_problems(capacity, pool.sidecar_resources)
     if pool.redis is not None and pool.shared_tier:
         try:
             parse_quantity(pool.redis.memory)

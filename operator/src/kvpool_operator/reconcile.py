@@ -63,12 +63,18 @@ async def reconcile(
     except ValueError as e:
         pool, wrong = Pool(namespace, name, {}, uid=meta.get("uid")), [str(e)]
     patch.status["observedGeneration"] = generation
-    if wrong:
-        ready, degraded = conditions.assess(wrong, None, None)
+
+    async def give_up(reason: str, problems: list[str]) -> None:
+        """Degraded until the pool changes: retrying would get the same answer (kopf retries nothing
+        after a handler returns)."""
+        ready, degraded = conditions.assess(problems, None, None, reason)
         patch.status["conditions"] = conditions.merge(
             status.get("conditions") or [], [ready, degraded], generation, now
         )
-        await events.post(kube, pool, "Warning", "InvalidSpec", "; ".join(wrong))
+        await events.post(kube, pool, "Warning", reason, "; ".join(problems))
+
+    if wrong:
+        await give_up("InvalidSpec", wrong)
         return
 
     config, warnings = kv_transfer_config(pool)
@@ -87,7 +93,10 @@ async def reconcile(
             missing = await missing_secret(kube, pool)
         await kube.ensure("ConfigMap", namespace, objects.config_map(pool, owner, text, urls))
     except ApiError as e:
-        raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
+        if e.transient:
+            raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
+        await give_up("Refused", [f"the API server refused a call ({e}); tried again when the pool changes"])
+        return
 
     ready, degraded = conditions.assess([], missing, tier)
     patch.status["connectorConfig"] = text

@@ -62,6 +62,9 @@ async def refresh(
         "matchedPods": counts.matched,
         "readyPods": counts.ready,
         "outdatedPods": counts.outdated,
+        "injectedPods": counts.injected,
+        "skippedPods": counts.skipped,
+        "skipReasons": counts.skip_reasons,
         "stats": stats,
         "conditions": conditions.merge(
             status.get("conditions") or [], [ready, degraded], meta.get("generation"), now

@@ -1,0 +1,84 @@
+"""The sidecar's resource requests and limits, and the checks that keep the pod the API server admits.
+
+The API server refuses a container whose request is above its limit, and a pod whose every container
+has equal CPU and memory requests and limits is Guaranteed only while the sidecar's are equal too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvpool_operator.quantity import format_mebibytes, quantity_value
+
+SIDECAR_OVERHEAD_BYTES = 256 * 2**20  # the sidecar process itself, beside its arena
+SIDECAR_CPU_REQUEST = "250m"
+QOS_RESOURCES = ("cpu", "memory")
+
+
+def sidecar_resources(
+    capacity_bytes: int, given: Mapping[str, Any] | None, guaranteed: bool = False
+) -> dict[str, dict[str, Any]]:
+    """The pool's values key by key over the defaults (memory: the arena plus the process). A default
+    request never exceeds a given limit; in a Guaranteed pod requests equal limits, CPU included."""
+    memory = format_mebibytes(capacity_bytes + SIDECAR_OVERHEAD_BYTES)
+    given_requests = dict((given or {}).get("requests") or {})
+    limits = {"memory": memory, **((given or {}).get("limits") or {})}
+    requests: dict[str, Any] = {"cpu": SIDECAR_CPU_REQUEST, "memory": memory}
+    for key, limit in limits.items():
+        if key in requests and _above(requests[key], limit):
+            requests[key] = limit
+    requests.update(given_requests)
+    if guaranteed:
+        limits.setdefault("cpu", requests["cpu"])
+        requests.update({key: limits[key] for key in QOS_RESOURCES})
+    return {"requests": requests, "limits": limits}
+
+
+def resource_problems(capacity_bytes: int, given: Mapping[str, Any] | None) -> list[str]:
+    """What would make the API server refuse the injected pod, or the kernel kill the sidecar."""
+    merged = sidecar_resources(capacity_bytes, given)
+    found = []
+    for key, value in [*merged["requests"].items(), *merged["limits"].items()]:
+        try:
+            quantity_value(value)
+        except ValueError:
+            return [f"spec.sidecar.resources: {key} {value!r} is not a quantity"]
+    for key, request in merged["requests"].items():
+        limit = merged["limits"].get(key)
+        if limit is not None and _above(request, limit):
+            found.append(f"spec.sidecar.resources.requests.{key} {request} is above its limit {limit}")
+    needed = capacity_bytes + SIDECAR_OVERHEAD_BYTES
+    if quantity_value(merged["limits"]["memory"]) < needed:
+        found.append(
+            f"spec.sidecar.resources.limits.memory {merged['limits']['memory']} is less than the arena plus "
+            f"the sidecar process ({format_mebibytes(needed)}): it would be OOM-killed"
+        )
+    return found
+
+
+def guaranteed(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod is Guaranteed QoS (every container's CPU and memory limited, requests equal)."""
+    spec = pod.get("spec") or {}
+    containers = [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]
+    if not containers:
+        return False
+    for c in containers:
+        res = c.get("resources") or {}
+        limits, requests = res.get("limits") or {}, res.get("requests") or {}
+        for key in QOS_RESOURCES:
+            if key not in limits:
+                return False
+            try:
+                if key in requests and quantity_value(requests[key]) != quantity_value(limits[key]):
+                    return False
+            except ValueError:
+                return False
+    return True
+
+
+def _above(request: Any, limit: Any) -> bool:
+    try:
+        return quantity_value(request) > quantity_value(limit)
+    except ValueError:
+        return False  # resource_problems names it
