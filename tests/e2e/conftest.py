@@ -78,6 +78,7 @@ def cluster() -> Iterator[str]:
             "--set", f"sidecarImage.repository=kvpool/sidecar,sidecarImage.tag={TAG}",
             "--set", "operator.statsIntervalSeconds=5")  # fmt: skip
         kubectl("create", "namespace", NAMESPACE, check=False)
+        kubectl("label", "namespace", NAMESPACE, "kvpool.dev/injection=enabled", "--overwrite")
         kubectl("apply", "-f", str(HERE / "manifests" / "pool.yaml"))
         wait_until(lambda: condition("Ready") == "True", 300, "the pool to be Ready")
         kubectl("apply", "-f", str(HERE / "manifests" / "vllm.yaml"))

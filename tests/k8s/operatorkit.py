@@ -109,8 +109,12 @@ def forbidden_calls(log: str) -> list[str]:
     return [line for line in log.splitlines() if REFUSED.search(line)]
 
 
-def namespace(cp: ControlPlane, name: str, labels: dict[str, str] | None = None) -> str:
-    apply(cp, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels or {}}})
+OPT_IN = {"kvpool.dev/injection": "enabled"}  # the chart's webhook sees only namespaces labelled so
+
+
+def namespace(cp: ControlPlane, name: str, labels: dict[str, str] | None = None, opt_in: bool = True) -> str:
+    labels = {**(OPT_IN if opt_in else {}), **(labels or {})}
+    apply(cp, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}})
     return name
 
 

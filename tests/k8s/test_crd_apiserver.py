@@ -13,6 +13,7 @@ import yaml
 from controlplane import ControlPlane, get_json
 from kvtest import REPO
 
+from kvpool_operator.names import redis_name
 from kvpool_operator.pool import parse_pool, problems
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -221,3 +222,21 @@ def test_kubectl_get_shows_the_printer_columns_with_values(cp: ControlPlane) -> 
     header, row = cp.kubectl("-n", NAMESPACE, "get", "kvp", "columns").splitlines()
     assert header.split() == ["NAME", "BACKEND", "CAPACITY", "PODS", "READY", "HIT", "RATE", "AGE"]
     assert row.split()[:6] == ["columns", "cpu", "2Gi", "3", "2", "0.75"]
+
+
+@pytest.mark.parametrize(
+    ("name", "accepted"),
+    [("a" * 39, True), ("llama-3-70b", True), ("a" * 40, False), ("7b", False), ("llama.3", False)],
+    ids=["39-chars", "dashes-and-digits", "40-chars", "leading-digit", "dot"],
+)
+def test_pool_names_its_objects_cannot_carry_are_refused(cp: ControlPlane, name: str, accepted: bool) -> None:
+    """The shared tier's StatefulSet (<name>-kvpool-redis) puts <StatefulSet>-<10 characters> in a label
+    of at most 63, and its Service's name must start with a letter: refused at `kubectl apply`, not later."""
+    doc = pool()
+    doc["metadata"]["name"] = name
+    code, message, _ = dry_run_create(cp, doc)
+    assert (code == 0) is accepted, message
+    if not accepted:
+        assert "metadata.name must be at most 39 characters" in message
+    if accepted:  # and the operator's objects named after it fit
+        assert len(redis_name(name)) + len("-") + 10 <= 63

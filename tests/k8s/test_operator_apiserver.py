@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import redis as redis_py
 from controlplane import ControlPlane, condition, get_json
-from kvtest import REPO, Proc, redis_with, start_sidecar, wait_until
+from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until
 from operatorkit import (
     RELEASE,
     RELEASE_NAMESPACE,
@@ -237,6 +237,187 @@ def test_a_changed_pool_marks_running_pods_outdated_with_an_event(operator: tupl
     assert any(e["involvedObject"]["name"] == "llama" for e in events), events
 
 
+def bare_pod(ns: str, name: str, *containers: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": {"app": "vllm"}},
+        "spec": {"containers": list(containers), **spec},
+    }
+
+
+def container(name: str, image: str = "vllm/vllm-openai:v0.32.0", **fields: Any) -> dict[str, Any]:
+    return {"name": name, "image": image, **fields}
+
+
+VLLM = {"command": ["vllm", "serve"], "args": ["/models/llama"]}
+UNCONFIGURABLE = {  # pod -> (the reason counted, what its event says)
+    "shell": ("StartedThroughShell", "through a shell"),
+    "own-connector": ("OwnConnector", "never replaces a user's connector"),
+    "host-network": ("HostNetwork", "the host's network"),
+    "not-vllm": ("NoVLLMContainer", "no container runs vllm"),
+}
+
+
+def test_pods_kvpool_cannot_configure_are_admitted_untouched_told_and_counted(operator: tuple) -> None:
+    """The pool names no container: vLLM's is found by what it runs, after another injector's proxy.
+    Pods it cannot configure without breaking them start as they are, with the reason on the pod, in an
+    event on the pool and counted in its status."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-odd")
+    pool = cpu_pool(ns)
+    del pool["spec"]["vllmContainer"]
+    apply(cp, pool)
+    published = wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    theirs = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    proxy = container("proxy", "envoyproxy/envoy:v1.31", args=["-c", "/etc/envoy.yaml"])
+    sent = {
+        "shell": bare_pod(ns, "shell", container("vllm", command=["sh", "-c", "vllm serve /models/llama"])),
+        "own-connector": bare_pod(
+            ns,
+            "own-connector",
+            container(
+                "vllm", command=["vllm", "serve"], args=["/models/llama", "--kv-transfer-config", theirs]
+            ),
+        ),
+        "host-network": bare_pod(ns, "host-network", container("vllm", **VLLM), hostNetwork=True),
+        "not-vllm": bare_pod(ns, "not-vllm", container("web", "nginx:1.27")),
+    }
+    apply(cp, bare_pod(ns, "proxy-first", proxy, container("engine", **VLLM)), *sent.values())
+    injected = get_json(cp, "-n", ns, "pod", "proxy-first")
+    assert_injected(injected, published, "engine")
+    first = injected["spec"]["containers"][0]
+    assert {k: first.get(k) for k in proxy} == proxy
+    assert all(m["name"] != "kvpool-arena" for m in first.get("volumeMounts", []))
+    for name, (reason, _) in UNCONFIGURABLE.items():
+        pod = get_json(cp, "-n", ns, "pod", name)
+        assert "initContainers" not in pod["spec"], name
+        as_sent = [(c.get("command"), c.get("args")) for c in sent[name]["spec"]["containers"]]
+        assert [(c.get("command"), c.get("args")) for c in pod["spec"]["containers"]] == as_sent, name
+        assert pod["metadata"]["annotations"]["kvpool.dev/skipped"].startswith(f"{reason}: "), name
+
+    def counted() -> dict[str, Any] | None:
+        s = pool_status(cp, ns, "llama")
+        return s if s.get("skippedPods") == len(UNCONFIGURABLE) else None
+
+    status = wait_until(counted, 60, "the pool's status to count the skipped pods")
+    assert status["injectedPods"] == 1 and status["matchedPods"] == 5 and status["outdatedPods"] == 0
+    assert status["skipReasons"] == {reason: 1 for reason, _ in UNCONFIGURABLE.values()}
+
+    def told() -> list[str] | None:
+        found = get_json(cp, "-n", ns, "events", "--field-selector", "reason=PodNotInjected")["items"]
+        messages = [e["message"] for e in found if e["involvedObject"]["name"] == "llama"]
+        return messages if all(any(w in m for m in messages) for _, w in UNCONFIGURABLE.values()) else None
+
+    wait_until(told, 60, "a warning event on the pool for each skipped pod")
+
+
+def test_the_webhook_sees_only_namespaces_that_opt_in(operator: tuple) -> None:
+    cp, _ = operator
+    ns = namespace(cp, "vllm-not-opted-in", opt_in=False)
+    apply(cp, cpu_pool(ns))
+    wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    apply(cp, bare_pod(ns, "vllm", container("vllm", **VLLM)))
+    pod = get_json(cp, "-n", ns, "pod", "vllm")
+    assert untouched(pod) and "kvpool.dev/skipped" not in (pod["metadata"].get("annotations") or {})
+    cp.kubectl("label", "namespace", ns, "kvpool.dev/injection=enabled")
+    apply(cp, bare_pod(ns, "vllm-2", container("vllm", **VLLM)))
+    assert not untouched(get_json(cp, "-n", ns, "pod", "vllm-2"))
+
+
+def test_sidecar_resources_the_api_server_admits_and_a_guaranteed_pod_stays_guaranteed(
+    operator: tuple,
+) -> None:
+    """A pool limits the sidecar's CPU below the default request: the request follows the limit (the API
+    server refuses a request above its limit, and with it the whole pod). A Guaranteed vLLM pod stays
+    Guaranteed: the API server's own qosClass says so."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-qos")
+    apply(cp, cpu_pool(ns, sidecar={"resources": {"limits": {"cpu": "100m"}}}))
+    wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    guaranteed = {"limits": {"cpu": "4", "memory": "16Gi"}}
+    burstable = {"requests": {"cpu": "1", "memory": "4Gi"}}
+    apply(
+        cp,
+        bare_pod(ns, "guaranteed", container("vllm", **VLLM, resources=guaranteed)),
+        bare_pod(ns, "burstable", container("vllm", **VLLM, resources=burstable)),
+    )
+    pods = {name: get_json(cp, "-n", ns, "pod", name) for name in ("guaranteed", "burstable")}
+    for name, pod in pods.items():
+        (sidecar,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "kvpool-sidecar"]
+        assert sidecar["resources"]["requests"]["cpu"] == "100m", name
+    assert pods["guaranteed"]["status"]["qosClass"] == "Guaranteed"
+    (sidecar,) = pods["guaranteed"]["spec"]["initContainers"]
+    assert sidecar["resources"]["requests"] == sidecar["resources"]["limits"]
+    assert pods["burstable"]["status"]["qosClass"] == "Burstable"
+
+
+def test_missing_objects_and_an_unreachable_redis_keep_no_pod_from_starting(
+    operator: tuple, tmp_path: Path
+) -> None:
+    """A pool whose password Secret does not exist and whose Redis is unreachable: the pod is admitted
+    with every reference optional and no startup probe, and the sidecar started with the pod's own args,
+    without the Secret's values and the ConfigMap's file (what the kubelet gives for optional ones that
+    are missing), serves the CPU tier at once."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-start")
+    redis = {"mode": "external", "url": "redis://127.0.0.1:1", "passwordSecretRef": {"name": "absent"}}
+    apply(cp, cpu_pool(ns, backend="redis", redis=redis))
+    wait_until(lambda: condition(get_json(cp, "-n", ns, "kvp", "llama"), "Degraded") == "True", 60,
+               "the pool to report its missing Secret")  # fmt: skip
+    apply(cp, bare_pod(ns, "vllm", container("vllm", **VLLM)))
+    pod = get_json(cp, "-n", ns, "pod", "vllm")
+    (sidecar,) = pod["spec"]["initContainers"]
+    assert "startupProbe" not in sidecar and "readinessProbe" not in sidecar
+    assert all(e["valueFrom"]["secretKeyRef"]["optional"] for e in sidecar["env"])
+    (urls,) = [v for v in pod["spec"]["volumes"] if "configMap" in v]
+    assert urls["configMap"]["optional"] is True
+    port, status_port = free_port(), free_port()
+    args = _replaced(
+        sidecar["args"],
+        {"--port": str(port), "--status-port": str(status_port), "--arena-dir": str(tmp_path / "arena"),
+         "--redis-urls-file": str(tmp_path / "no-configmap" / "redis-urls")},
+    )  # fmt: skip
+    proc = start_sidecar(tmp_path, "64Mi", [], *args, port=port)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{status_port}/readyz?tier=cpu", timeout=5) as r:
+            assert r.status == 200
+        _put_and_get(proc.info["url"], "cd" * 16)
+    finally:
+        proc.stop()
+
+
+def _replaced(args: list[str], values: dict[str, str]) -> list[str]:
+    out = list(args)
+    for flag, value in values.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+def test_a_call_the_api_server_refuses_degrades_the_pool_instead_of_retrying(operator: tuple) -> None:
+    """A quota that allows no ConfigMap: the API server answers 403 to the pool's ConfigMap, every time.
+    The pool says so in its conditions and an event, and is not retried every 10 s."""
+    cp, _ = operator
+    ns = namespace(cp, QUOTA_NAMESPACE)
+    apply(cp, {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "none", "namespace": ns},
+               "spec": {"hard": {"configmaps": "0"}}})  # fmt: skip
+    apply(cp, cpu_pool(ns))
+
+    def refused() -> dict[str, Any] | None:
+        pool = get_json(cp, "-n", ns, "kvp", "llama")
+        degraded = [c for c in pool.get("status", {}).get("conditions", []) if c["type"] == "Degraded"]
+        return pool if degraded and degraded[0]["reason"] == "Refused" else None
+
+    pool = wait_until(refused, 60, "the pool Degraded with the API server's refusal")
+    (degraded,) = [c for c in pool["status"]["conditions"] if c["type"] == "Degraded"]
+    assert "403" in degraded["message"] and "quota" in degraded["message"]
+    # kopf keeps a handler's retry state in an annotation while it retries; there is none
+    assert not [k for k in pool["metadata"].get("annotations", {}) if k.startswith("kvpool.dev/reconcile")]
+
+
+QUOTA_NAMESPACE = "vllm-quota"
+
+
 # --- the shared Redis tier -------------------------------------------------------------------------
 
 
@@ -303,7 +484,8 @@ def _fill(ip: str, password: str, nbytes: int) -> None:
 
 def test_the_api_server_never_refused_the_operator(operator: tuple) -> None:
     _, op = operator
-    assert forbidden_calls(op.proc.output()) == []
+    refused = [line for line in forbidden_calls(op.proc.output()) if QUOTA_NAMESPACE not in line]
+    assert refused == []  # the quota test's 403 is the one refusal on purpose
 
 
 def test_pods_created_while_the_operator_is_down_are_admitted_untouched(operator: tuple) -> None:
