@@ -85,7 +85,7 @@ def test_operator_accepts_its_arguments(rendered: Callable, values_file: Path | 
     container = _operator(objects)["spec"]["containers"][0]
     args = parser().parse_args(container["args"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert args.webhook_port == ports["webhook"] and args.webhook_addr == "0.0.0.0"
+    assert args.webhook_port == ports["webhook"] and args.webhook_addr == ""
     assert not args.webhook_insecure and not args.standalone
     peerings = of_kind(objects, "ClusterKopfPeering") + of_kind(objects, "KopfPeering")
     assert {p["metadata"]["name"] for p in peerings} == {args.peering}

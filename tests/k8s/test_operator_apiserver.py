@@ -329,11 +329,13 @@ def test_sidecar_resources_the_api_server_admits_and_a_guaranteed_pod_stays_guar
     operator: tuple,
 ) -> None:
     """A pool limits the sidecar's CPU below the default request: the request follows the limit (the API
-    server refuses a request above its limit, and with it the whole pod). A Guaranteed vLLM pod stays
+    server refuses a request above its limit, and with it the whole pod); the pool's pull secret is the
+    pod's. A Guaranteed vLLM pod stays
     Guaranteed: the API server's own qosClass says so."""
     cp, _ = operator
     ns = namespace(cp, "vllm-qos")
-    apply(cp, cpu_pool(ns, sidecar={"resources": {"limits": {"cpu": "100m"}}}))
+    sidecar = {"resources": {"limits": {"cpu": "100m"}}, "imagePullSecrets": [{"name": "kvpool-registry"}]}
+    apply(cp, cpu_pool(ns, sidecar=sidecar))
     wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
     guaranteed = {"limits": {"cpu": "4", "memory": "16Gi"}}
     burstable = {"requests": {"cpu": "1", "memory": "4Gi"}}
@@ -346,6 +348,7 @@ def test_sidecar_resources_the_api_server_admits_and_a_guaranteed_pod_stays_guar
     for name, pod in pods.items():
         (sidecar,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "kvpool-sidecar"]
         assert sidecar["resources"]["requests"]["cpu"] == "100m", name
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "kvpool-registry"}], name  # the pool's registry
     assert pods["guaranteed"]["status"]["qosClass"] == "Guaranteed"
     (sidecar,) = pods["guaranteed"]["spec"]["initContainers"]
     assert sidecar["resources"]["requests"] == sidecar["resources"]["limits"]

@@ -18,9 +18,9 @@ def test_defaults_follow_the_contract() -> None:
     assert (op.peering_name, op.standalone, op.clusterwide) == ("kvpool", False, True)
     assert op.settings.peering.mandatory and op.settings.peering.clusterwide
     server = op.settings.admission.server
-    assert (server.addr, server.port) == ("0.0.0.0", 9443)  # type: ignore[union-attr]
+    assert (server.addr, server.port) == ("", 9443)  # type: ignore[union-attr]  # every address
     assert op.settings.admission.managed is None  # the chart owns the webhook configuration
-    assert op.liveness_endpoint == "http://0.0.0.0:8080/healthz"
+    assert op.memo.settings.liveness == "http://0.0.0.0:8080/healthz"
     ours = op.memo.settings
     assert (ours.stats_interval, ours.scale_cooldown, ours.legacy_sidecar) == (30.0, 300.0, False)
 

@@ -147,3 +147,15 @@ def test_resources_the_api_server_or_the_kernel_would_refuse_are_pool_problems(
 ) -> None:
     assert any(fragment in p for p in resource_problems(2**30, given))
     assert any(fragment in p for p in problems(_pool(sidecar={"resources": given})))
+
+
+def test_the_pools_pull_secrets_join_the_pods_own_once() -> None:
+    pool = _pool(sidecar={"imagePullSecrets": [{"name": "kvpool-registry"}, {"name": "team"}]})
+    p = pod(c("a", command=["vllm", "serve"]), imagePullSecrets=[{"name": "team"}])
+    once = decide(p, "ns", [pool], OperatorSettings()).pod
+    assert once is not None
+    assert once["spec"]["imagePullSecrets"] == [{"name": "team"}, {"name": "kvpool-registry"}]
+    twice = decide(once, "ns", [pool], OperatorSettings()).pod
+    assert twice is not None and twice["spec"]["imagePullSecrets"] == once["spec"]["imagePullSecrets"]
+    plain = decide(pod(c("a", command=["vllm", "serve"])), "ns", [_pool()], OperatorSettings()).pod
+    assert plain is not None and "imagePullSecrets" not in plain["spec"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 
+import aiohttp
 import pytest
+from kvtest import free_port
 
-from kvpool_operator import conditions
+from kvpool_operator import conditions, readiness
 from kvpool_operator.injection import arena_size_limit
 from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
@@ -153,3 +156,30 @@ def test_strip_ours_leaves_a_users_connector() -> None:
         theirs,
         "--kv-transfer-configs",
     ]
+
+
+@pytest.mark.asyncio
+async def test_the_probes_answer_on_ipv4_and_ipv6_alike() -> None:
+    """The chart's probe URLs name 0.0.0.0: that means every address of both families, so the kubelet of
+    an IPv6-only cluster reaches them too (kopf's own liveness endpoint would bind IPv4 alone)."""
+    ready = asyncio.Event()
+    ready_port, live_port = free_port(), free_port()
+    runners = await readiness.serve(
+        f"http://0.0.0.0:{ready_port}/readyz", f"http://0.0.0.0:{live_port}/healthz", ready
+    )
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+
+            async def status(url: str) -> int:
+                async with session.get(url) as rsp:
+                    return rsp.status
+
+            for host in ("127.0.0.1", "[::1]"):
+                assert await status(f"http://{host}:{live_port}/healthz") == 200
+                assert await status(f"http://{host}:{ready_port}/readyz") == 503
+            ready.set()
+            for host in ("127.0.0.1", "[::1]"):
+                assert await status(f"http://{host}:{ready_port}/readyz") == 200
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -112,3 +112,14 @@ def test_an_arena_that_cannot_be_made_is_a_clear_exit(tmp_path) -> None:
     run = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert "cannot start" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_status_port_answers_on_ipv4_and_ipv6_alike(sidecar_factory) -> None:
+    """IPv6-only clusters probe the pod's IPv6 address, IPv4 clusters its IPv4 one: by default the status
+    listener takes both (one dual-stack socket)."""
+    status_port = free_port()
+    sidecar_factory("4Mi", [], "--status-port", str(status_port))
+    for host in ("127.0.0.1", "[::1]"):
+        wait_until(
+            lambda host=host: http_ok(f"http://{host}:{status_port}/healthz"), 10, f"/healthz on {host}"
+        )

@@ -45,7 +45,11 @@ def parser() -> argparse.ArgumentParser:
         default=_truthy(_env("standalone", "")),
         help="no peering (development only: two replicas would both act)",
     )
-    p.add_argument("--liveness", default=_env("liveness", "http://0.0.0.0:8080/healthz"))
+    p.add_argument(
+        "--liveness",
+        default=_env("liveness", "http://0.0.0.0:8080/healthz"),
+        help="where to answer 200 while the operator runs (0.0.0.0 or ::: every address, IPv4 and IPv6)",
+    )
     p.add_argument(
         "--readiness",
         default=_env("readiness", "http://0.0.0.0:8081/readyz"),
@@ -58,7 +62,11 @@ def parser() -> argparse.ArgumentParser:
         help="seconds a replica's peering entry lives without a refresh: how soon a standby takes over "
         "from a leader that died without saying so [30]",
     )
-    p.add_argument("--webhook-addr", default=_env("webhook-addr", "0.0.0.0"))
+    p.add_argument(
+        "--webhook-addr",
+        default=_env("webhook-addr", ""),
+        help="the webhook's address (empty: every address, IPv4 and IPv6)",
+    )
     p.add_argument("--webhook-port", type=int, default=int(_env("webhook-port", 9443)))
     p.add_argument("--webhook-cert", default=_env("webhook-cert", None), help="TLS certificate (PEM)")
     p.add_argument("--webhook-key", default=_env("webhook-key", None), help="TLS private key (PEM)")
@@ -95,7 +103,6 @@ class Operator:
     namespaces: list[str]
     peering_name: str
     standalone: bool
-    liveness_endpoint: str | None
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -106,7 +113,6 @@ class Operator:
             "namespaces": self.namespaces,
             "peering_name": self.peering_name,
             "standalone": self.standalone,
-            "liveness_endpoint": self.liveness_endpoint,
         }
 
 
@@ -132,6 +138,7 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
         legacy_sidecar=args.legacy_sidecar,
         namespaces=tuple(namespaces),
         readiness=args.readiness or "",
+        liveness=args.liveness or "",
     )
     registry = kopf.OperatorRegistry()
     register(registry, ours)
@@ -169,7 +176,6 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
         namespaces=namespaces,
         peering_name=args.peering,
         standalone=args.standalone,
-        liveness_endpoint=args.liveness or None,
     )
 
 

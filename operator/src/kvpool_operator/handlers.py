@@ -29,13 +29,13 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         # the webhook's pools, followed by every replica whether it leads or not (kopf's watches pause)
         memo.pool_index = PoolIndex()
         memo.index_task = asyncio.create_task(memo.pool_index.run(memo.kube, settings.namespaces))
-        memo.readiness = await readiness.serve(settings.readiness, memo.pool_index.ready)
+        memo.probes = await readiness.serve(settings.readiness, settings.liveness, memo.pool_index.ready)
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
         memo.index_task.cancel()
-        if memo.readiness is not None:
-            await memo.readiness.cleanup()
+        for runner in memo.probes:
+            await runner.cleanup()
         await memo.kube.close()
 
     kopf.on.create(*POOLS, registry=registry, id="reconcile")(reconcile)

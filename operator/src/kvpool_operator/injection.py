@@ -95,6 +95,10 @@ def inject(
     else:
         spec.setdefault("initContainers", []).append(sidecar)
     spec.setdefault("volumes", []).extend(pod_volumes(pool))
+    pulls = spec.setdefault("imagePullSecrets", [])  # the pod's own pull the sidecar too; add the pool's
+    pulls += [{"name": n} for n in pool.sidecar_pull_secrets if {"name": n} not in pulls]
+    if not pulls:
+        del spec["imagePullSecrets"]
     groups = spec.setdefault("securityContext", {}).setdefault("supplementalGroups", [])
     if names.ARENA_GROUP not in groups:  # every container gets it: vLLM can use the 0660 arena
         groups.append(names.ARENA_GROUP)

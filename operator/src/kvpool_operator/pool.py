@@ -56,6 +56,7 @@ class Pool:
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     scaling: ScalingSpec | None = None
     sidecar_image: str | None = None
+    sidecar_pull_secrets: tuple[str, ...] = ()  # added to the pod's imagePullSecrets
     sidecar_port: int = DEFAULT_SIDECAR_PORT
     sidecar_resources: Mapping[str, Any] | None = None
     vllm_container: str | None = None
@@ -130,6 +131,7 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any], uid: str | No
         extra_config=dict(extra),
         scaling=scaling,
         sidecar_image=sidecar.get("image"),
+        sidecar_pull_secrets=tuple(str(s.get("name")) for s in sidecar.get("imagePullSecrets") or []),
         sidecar_port=_int(sidecar, "port", DEFAULT_SIDECAR_PORT, "spec.sidecar.port"),
         sidecar_resources=sidecar.get("resources"),
         vllm_container=spec.get("vllmContainer"),

@@ -1,31 +1,44 @@
-"""The operator's readiness endpoint: 200 once its pool index is built, 503 before.
+"""The operator's probe endpoints: readiness, 200 once its pool index is built (503 before), and
+liveness, 200 while its event loop runs.
 
 A replica that answered the webhook before it knew the pools would admit pods without their cache, so
-it stays out of the webhook Service's endpoints until then (kopf's liveness endpoint says nothing of it).
+it stays out of the webhook Service's endpoints until then. Liveness is served here rather than by kopf,
+whose endpoint binds one address family: a wildcard host (0.0.0.0, ::) here means every address of
+IPv4 and IPv6, as an IPv6-only cluster's kubelet needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import urllib.parse
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+WILDCARDS = frozenset({"", "0.0.0.0", "::", "*"})
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
-async def serve(endpoint: str, ready: asyncio.Event) -> web.AppRunner | None:
-    """Serves GET <path> on <host>:<port> of `endpoint` (http://host:port/path); None when empty."""
-    if not endpoint:
-        return None
-    url = urllib.parse.urlsplit(endpoint)
+
+async def serve(readiness: str, liveness: str, ready: asyncio.Event) -> list[web.AppRunner]:
+    """Serves GET <path> on <host>:<port> of each endpoint given (http://host:port/path)."""
 
     async def readyz(_: web.Request) -> web.Response:
         if ready.is_set():
             return web.Response(text="ok")
         return web.Response(status=503, text="the pool index is not built yet")
 
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    return [await _serve(url, handler) for url, handler in ((readiness, readyz), (liveness, healthz)) if url]
+
+
+async def _serve(endpoint: str, handler: Handler) -> web.AppRunner:
+    url = urllib.parse.urlsplit(endpoint)
     app = web.Application()
-    app.router.add_get(url.path or "/readyz", readyz)
+    app.router.add_get(url.path or "/", handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, url.hostname, url.port or 80).start()
+    host = None if (url.hostname or "") in WILDCARDS else url.hostname  # None: every address, both families
+    await web.TCPSite(runner, host, url.port or 80).start()
     return runner

@@ -16,3 +16,4 @@ class OperatorSettings:
     scrape_timeout: float = 2.0  # per sidecar /stats and per Redis INFO
     namespaces: tuple[str, ...] = ()  # the watched namespaces; empty: all
     readiness: str = ""  # where /readyz is served (http://host:port/path); empty: nowhere
+    liveness: str = ""  # where /healthz is served; empty: nowhere

@@ -11,6 +11,7 @@ import uvicorn
 
 from kvpool_sidecar import control_socket
 from kvpool_sidecar.app import create_app, create_status_app
+from kvpool_sidecar.listen import listen_tcp
 from kvpool_sidecar.service import Sidecar
 
 log = logging.getLogger(__name__)
@@ -34,18 +35,17 @@ def _uvicorn(app, host: str, port: int, log_level: str) -> _Server:
 
 async def serve(sidecar: Sidecar) -> None:
     settings = sidecar.settings
-    servers = [_uvicorn(create_app(sidecar), settings.host, settings.port, settings.log_level)]
-    if settings.status_port:
-        servers.append(
-            _uvicorn(
-                create_status_app(sidecar), settings.status_host, settings.status_port, settings.log_level
-            )
-        )
+    servers = [(_uvicorn(create_app(sidecar), settings.host, settings.port, settings.log_level),
+                listen_tcp(settings.host, settings.port))]  # fmt: skip
+    if settings.status_port:  # the kubelet's probes and the operator: the pod's address, IPv4 or IPv6
+        status_app = create_status_app(sidecar)
+        servers.append((_uvicorn(status_app, settings.status_host, settings.status_port, settings.log_level),
+                        listen_tcp(settings.status_host, settings.status_port)))  # fmt: skip
     sock_server = await control_socket.start(sidecar)
     loop = asyncio.get_running_loop()
 
     def stop() -> None:
-        for s in servers:
+        for s, _ in servers:
             s.should_exit = True
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -56,7 +56,7 @@ async def serve(sidecar: Sidecar) -> None:
         settings.host, settings.port, sidecar.arena.path, sidecar.arena.size, sidecar.socket_path,
     )  # fmt: skip
     try:
-        await asyncio.gather(*(s.serve() for s in servers))
+        await asyncio.gather(*(s.serve(sockets=[sock]) for s, sock in servers))
     finally:
         if sock_server is not None:
             sock_server.close()

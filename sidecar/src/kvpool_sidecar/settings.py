@@ -41,7 +41,7 @@ class Settings:
     shared_group: bool = False  # every container that uses the arena has this process's group
     max_chunk_bytes: int = 64 * 2**20
     lease_seconds: float = 30.0
-    status_host: str = "0.0.0.0"
+    status_host: str = "::"  # every address, IPv4 and IPv6 (listen.py)
     status_port: int = 0
     redis_queue_bytes: int = 0  # 0: half the capacity
     max_chunks: int = 200_000
