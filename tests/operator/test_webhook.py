@@ -153,8 +153,8 @@ EXPECTED_SOLO = {
                 "ports": [{"name": "kvpool-status", "containerPort": 7071, "protocol": "TCP"}],
                 "volumeMounts": [{"name": "kvpool-arena", "mountPath": "/var/run/kvpool"}],
                 "resources": {
-                    "requests": {"cpu": "250m", "memory": "1280Mi"},
-                    "limits": {"memory": "1280Mi"},
+                    "requests": {"cpu": "250m", "memory": "1350Mi"},
+                    "limits": {"memory": "1350Mi"},
                 },
                 "livenessProbe": probe("/healthz", 10, 6),
                 "securityContext": {

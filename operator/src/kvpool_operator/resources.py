@@ -11,8 +11,14 @@ from typing import Any
 
 from kvpool_operator.quantity import format_mebibytes, quantity_value
 
-SIDECAR_OVERHEAD_BYTES = 256 * 2**20  # the sidecar process itself, beside its arena
 SIDECAR_CPU_REQUEST = "250m"
+# What the sidecar's memory cgroup holds beyond the arena, measured with the real sidecar on tmpfs
+# (tests/sidecar/test_sidecar_memory.py holds this formula against its peak RSS):
+PROCESS_BYTES = 64 * 2**20  # the process: 33 MiB anonymous, 17 MiB of mapped libraries
+PAGE_TABLE_DIVISOR = 512  # the populated mapping's page tables: 8 bytes per 4 KiB page, 2 MiB per GiB
+SIDECAR_MAX_CHUNKS = 200_000  # the sidecar's --max-chunks default, which the index never exceeds
+INDEX_BYTES_PER_CHUNK = 1024  # measured 750 at its peak, 200,000 chunks
+IN_FLIGHT_BYTES = 64 * 2**20  # one chunk body of --max-chunk-bytes (default 64 MiB) being copied
 QOS_RESOURCES = ("cpu", "memory")
 
 
@@ -21,7 +27,7 @@ def sidecar_resources(
 ) -> dict[str, dict[str, Any]]:
     """The pool's values key by key over the defaults (memory: the arena plus the process). A default
     request never exceeds a given limit; in a Guaranteed pod requests equal limits, CPU included."""
-    memory = format_mebibytes(capacity_bytes + SIDECAR_OVERHEAD_BYTES)
+    memory = format_mebibytes(sidecar_memory_bytes(capacity_bytes))
     given_requests = dict((given or {}).get("requests") or {})
     limits = {"memory": memory, **((given or {}).get("limits") or {})}
     requests: dict[str, Any] = {"cpu": SIDECAR_CPU_REQUEST, "memory": memory}
@@ -33,6 +39,13 @@ def sidecar_resources(
         limits.setdefault("cpu", requests["cpu"])
         requests.update({key: limits[key] for key in QOS_RESOURCES})
     return {"requests": requests, "limits": limits}
+
+
+def sidecar_memory_bytes(capacity_bytes: int) -> int:
+    """The memory the sidecar of an arena this big uses at most: at 100 GiB the page tables alone take
+    200 MiB, so no fixed overhead covers every capacity."""
+    index = SIDECAR_MAX_CHUNKS * INDEX_BYTES_PER_CHUNK
+    return capacity_bytes + capacity_bytes // PAGE_TABLE_DIVISOR + PROCESS_BYTES + index + IN_FLIGHT_BYTES
 
 
 def resource_problems(capacity_bytes: int, given: Mapping[str, Any] | None) -> list[str]:
@@ -48,7 +61,7 @@ def resource_problems(capacity_bytes: int, given: Mapping[str, Any] | None) -> l
         limit = merged["limits"].get(key)
         if limit is not None and _above(request, limit):
             found.append(f"spec.sidecar.resources.requests.{key} {request} is above its limit {limit}")
-    needed = capacity_bytes + SIDECAR_OVERHEAD_BYTES
+    needed = sidecar_memory_bytes(capacity_bytes)
     if quantity_value(merged["limits"]["memory"]) < needed:
         found.append(
             f"spec.sidecar.resources.limits.memory {merged['limits']['memory']} is less than the arena plus "
