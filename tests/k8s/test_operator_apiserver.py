@@ -448,11 +448,11 @@ def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple) -> 
     password = _secret_password(cp, ns, tier)
     ip = shard["status"]["podIP"]
     # the real redis-server as the shard pod: on its address and port, with its password and maxmemory
-    maxmemory = ("--maxmemory", str(int(32 * 2**20 * 0.9)), "--maxmemory-policy", "allkeys-lru")
+    maxmemory = ("--maxmemory", str(int(32 * 2**20 * 0.7)), "--maxmemory-policy", "allkeys-lru")
     with redis_with(*maxmemory, password=password, port=REDIS_PORT, host=ip):
         shared = lambda: pool_status(cp, ns, "cache").get("sharedTier") or {}  # noqa: E731
         wait_until(lambda: shared().get("readyReplicas") == 1, 60, "the shard counted ready")
-        _fill(ip, password, 24 * 2**20)  # 24 of 28.8 MiB maxmemory: ~83% against a 50% target
+        _fill(ip, password, 18 * 2**20)  # 18 of 22.4 MiB maxmemory: ~80% against a 50% target
         # a deadline for a loaded CI machine: the operator polls the shard's memory on its refresh timer
         wait_until(lambda: get_json(cp, "-n", ns, "statefulset", tier)["spec"]["replicas"] == 2, 150,
                    "the operator to scale the tier to two shards")  # fmt: skip

@@ -234,7 +234,7 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
         "requests": {"cpu": "250m", "memory": "512Mi"},
         "limits": {"memory": "512Mi"},
     }
-    assert redis["args"][redis["args"].index("--maxmemory") + 1] == str(int(512 * 2**20 * 0.9))
+    assert redis["args"][redis["args"].index("--maxmemory") + 1] == str(int(512 * 2**20 * 0.7))
     assert redis["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "llama-kvpool-redis", "key": "password"}
     assert sts["spec"]["template"]["metadata"]["labels"]["kvpool.dev/inject"] == "false"  # never injected
     cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import random
 import socket
+from pathlib import Path
 
-from kvtest import RedisServer
+from kvtest import RedisServer, redis_server, start_sidecar, wait_until
 
+from kvpool_operator.objects import redis_statefulset
+from kvpool_operator.pool import parse_pool
 from kvpool_operator.scaling import redis_info_source, redis_memory_utilization
+from kvpool_sidecar.client import SidecarClient
 
 
 def redis_command(port: int, *parts: str) -> bytes:
@@ -47,3 +53,46 @@ def test_unreachable_shard_is_unknown_and_the_source_reads_shard_pods(redis: Red
     pods = [{"status": {"podIP": "127.0.0.1"}}]
     alone = asyncio.run(source(None, pods, None))  # type: ignore[arg-type]
     assert alone is not None and asyncio.run(source(None, [], None)) is None  # type: ignore[arg-type]
+
+
+def test_a_shard_under_kvpools_write_pattern_stays_under_its_memory_limit(tmp_path: Path) -> None:
+    """A shard with the StatefulSet's own redis-server settings, written by a real sidecar four times
+    over (chunks of 64 KiB to 5 MiB, evicting all along): its peak resident memory stays under the
+    container's limit, where the kernel would OOM-kill it and the pool's tier with it."""
+    limit = 256 * 2**20
+    pool = parse_pool("ns", "p", {"selector": {"matchLabels": {"a": "b"}}, "backend": "redis",
+                                  "redis": {"mode": "shared", "memory": "256Mi"}})  # fmt: skip
+    (container,) = redis_statefulset(pool, {}, 1)["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["memory"] == "256Mi"
+    args = container["args"]
+    settings = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2) if args[i].startswith("--")}
+    with redis_server() as shard:
+        for name in ("maxmemory", "maxmemory-policy"):
+            redis_command(shard.port, "CONFIG", "SET", name, settings[f"--{name}"])
+        sidecar = start_sidecar(tmp_path, "64Mi", [shard.url])
+        try:
+            client = SidecarClient(sidecar.info["url"], timeout=30)
+            rng = random.Random(0)
+            written = 0
+            for i in itertools.count():
+                if written >= 4 * limit:
+                    break
+                size = rng.choice([64 * 2**10, 512 * 2**10, 2 * 2**20, 5 * 2**20])
+                client.put(f"{i:032x}", bytes([i % 251]) * size)
+                written += size
+                if i % 20 == 19:  # the write-behind keeps up (its backlog is bounded anyway)
+                    wait_until(
+                        lambda: client.stats()["tiers"]["redis"]["queued"] == 0, 60, "the write-behind"
+                    )
+            wait_until(lambda: client.stats()["tiers"]["redis"]["queued"] == 0, 60, "the write-behind")
+        finally:
+            sidecar.stop()
+        peak = next(
+            int(line.split()[1]) * 1024
+            for line in Path(f"/proc/{shard.proc.popen.pid}/status").read_text().splitlines()
+            if line.startswith("VmHWM:")
+        )
+        evicted = int(redis_command(shard.port, "INFO", "stats").split(b"evicted_keys:")[1].split(b"\r")[0])
+    print(f"\npeak RSS {peak / 2**20:.1f} MiB, {peak / limit:.3f} of the limit; {evicted} evicted")
+    assert evicted > 0  # it was full, and evicting
+    assert peak <= limit
