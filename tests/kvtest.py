@@ -158,11 +158,18 @@ def redis_server(port: int | None = None) -> Iterator[RedisServer]:
             server.stop()
 
 
-def redis_call(port: int, *args: str | bytes, password: str | None = None, host: str = "127.0.0.1") -> bytes:
-    """One command over a raw socket (no client library between the test and the server)."""
+def redis_call(
+    port: int,
+    *args: str | bytes,
+    password: str | None = None,
+    host: str = "127.0.0.1",
+    user: str | None = None,
+) -> bytes:
+    """One command over a raw socket (no client library between the test and the server), after
+    AUTH [user] password when given."""
     with socket.create_connection((host, port), timeout=2) as s:
         if password:
-            s.sendall(_resp("AUTH", password))
+            s.sendall(_resp("AUTH", *([user] if user else []), password))
             s.recv(64)
         s.sendall(_resp(*args))
         return s.recv(65536)

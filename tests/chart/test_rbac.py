@@ -42,7 +42,7 @@ CLIENT_METHOD_VERBS: dict[str, frozenset[str]] = {
     "create": frozenset({"create"}),
     "patch": frozenset({"patch"}),
     "ensure": frozenset({"create", "patch"}),
-    "ensure_absent_then_create": frozenset({"get", "create"}),
+    "create_once": frozenset({"create"}),
     "list_objects": frozenset({"list"}),
     "watch": frozenset({"watch"}),
 }

@@ -201,9 +201,7 @@ class MemoryGauge:
         self.values: dict[str, float | None] = {}
         self.reads: dict[str, int] = {}  # how often the operator measured each pool: once per refresh
 
-    async def __call__(
-        self, pool: Pool, shard_pods: list[dict[str, Any]], password: str | None
-    ) -> float | None:
+    async def __call__(self, pool: Pool, shard_pods: list[dict[str, Any]]) -> float | None:
         self.reads[pool.name] = self.reads.get(pool.name, 0) + 1
         return self.values.get(pool.name)
 

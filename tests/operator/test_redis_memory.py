@@ -3,56 +3,71 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
-from kvtest import RedisServer, redis_server, start_sidecar, wait_until
+from kvtest import RedisServer, redis_call, redis_server, redis_with, start_sidecar, wait_until
 
+from kvpool_operator.names import MONITOR_USER
 from kvpool_operator.objects import redis_statefulset
 from kvpool_operator.pool import parse_pool
 from kvpool_operator.scaling import redis_info_source, redis_memory_utilization
 from kvpool_sidecar.client import SidecarClient
 
-
-def redis_command(port: int, *parts: str) -> bytes:
-    wire = f"*{len(parts)}\r\n".encode() + b"".join(f"${len(p)}\r\n{p}\r\n".encode() for p in parts)
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-        s.sendall(wire)
-        return s.recv(65536)
+POOL = parse_pool("ns", "p", {"selector": {"matchLabels": {"a": "b"}}, "backend": "redis",
+                              "redis": {"mode": "shared", "memory": "256Mi"}})  # fmt: skip
+PASSWORD = "s3cret"
 
 
-def test_utilization_follows_used_memory(redis: RedisServer) -> None:
-    assert (
-        asyncio.run(redis_memory_utilization("127.0.0.1", redis.port, None, 2.0)) is None
-    )  # no maxmemory: unknown
-    redis_command(redis.port, "CONFIG", "SET", "maxmemory", str(64 * 2**20))
-    empty = asyncio.run(redis_memory_utilization("127.0.0.1", redis.port, None, 2.0))
-    assert empty is not None and 0 < empty < 10
-    redis_command(redis.port, "SET", "k", "x" * (16 * 2**20))
-    filled = asyncio.run(redis_memory_utilization("127.0.0.1", redis.port, None, 2.0))
-    assert filled is not None and 25 < filled < 40  # 16 MiB of 64 MiB, plus Redis's own few MiB
+@contextlib.contextmanager
+def shard() -> Iterator[int]:
+    """A real redis-server with the shard StatefulSet's own --user (the monitor) and a password."""
+    (container,) = redis_statefulset(POOL, {}, 1)["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    start = args.index("--user")
+    end = next((i for i in range(start + 1, len(args)) if args[i].startswith("--")), len(args))
+    with redis_with(*args[start:end], password=PASSWORD) as (port, _):
+        yield port
 
 
-def test_password_is_sent_and_a_wrong_one_is_unknown(redis: RedisServer) -> None:
-    redis_command(redis.port, "CONFIG", "SET", "maxmemory", str(64 * 2**20))
-    redis_command(redis.port, "CONFIG", "SET", "requirepass", "s3cret")
-    assert asyncio.run(redis_memory_utilization("127.0.0.1", redis.port, "s3cret", 2.0)) is not None
-    assert asyncio.run(redis_memory_utilization("127.0.0.1", redis.port, "wrong", 2.0)) is None
-    assert asyncio.run(redis_memory_utilization("127.0.0.1", redis.port, None, 2.0)) is None
+def utilization(port: int, timeout: float = 2.0) -> float | None:
+    return asyncio.run(redis_memory_utilization("127.0.0.1", port, timeout))
 
 
-def test_unreachable_shard_is_unknown_and_the_source_reads_shard_pods(redis: RedisServer) -> None:
+def test_utilization_follows_used_memory_read_as_the_monitor_user() -> None:
+    with shard() as port:
+        assert utilization(port) is None  # no maxmemory: unknown
+        redis_call(port, "CONFIG", "SET", "maxmemory", str(64 * 2**20), password=PASSWORD)
+        empty = utilization(port)
+        assert empty is not None and 0 < empty < 10
+        redis_call(port, "SET", "k", "x" * (16 * 2**20), password=PASSWORD)
+        filled = utilization(port)
+        assert filled is not None and 25 < filled < 40  # 16 MiB of 64 MiB, plus Redis's own few MiB
+
+
+def test_the_monitor_user_reads_nothing_else(redis: RedisServer) -> None:
+    """The operator never reads the password Secret: it asks INFO as a user that can do nothing more."""
+    with shard() as port:
+        for command in (("GET", "k"), ("KEYS", "*"), ("CONFIG", "GET", "requirepass")):
+            assert b"NOPERM" in redis_call(port, *command, password="-", user=MONITOR_USER), command
+    assert utilization(redis.port) is None  # a Redis without the user (not a kvpool shard): unknown
+
+
+def test_unreachable_shard_is_unknown_and_the_source_reads_shard_pods() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]  # bound, never listening: connection refused
-        assert asyncio.run(redis_memory_utilization("127.0.0.1", dead, None, 1.0)) is None
-    redis_command(redis.port, "CONFIG", "SET", "maxmemory", str(64 * 2**20))
-    source = redis_info_source(1.0, redis.port)
-    pods = [{"status": {"podIP": "127.0.0.1"}}]
-    alone = asyncio.run(source(None, pods, None))  # type: ignore[arg-type]
-    assert alone is not None and asyncio.run(source(None, [], None)) is None  # type: ignore[arg-type]
+        assert utilization(dead, 1.0) is None
+    with shard() as port:
+        redis_call(port, "CONFIG", "SET", "maxmemory", str(64 * 2**20), password=PASSWORD)
+        source = redis_info_source(1.0, port)
+        pods = [{"status": {"podIP": "127.0.0.1"}}]
+        alone = asyncio.run(source(POOL, pods))
+        assert alone is not None and asyncio.run(source(POOL, [])) is None
 
 
 def test_a_shard_under_kvpools_write_pattern_stays_under_its_memory_limit(tmp_path: Path) -> None:
@@ -60,16 +75,14 @@ def test_a_shard_under_kvpools_write_pattern_stays_under_its_memory_limit(tmp_pa
     over (chunks of 64 KiB to 5 MiB, evicting all along): its peak resident memory stays under the
     container's limit, where the kernel would OOM-kill it and the pool's tier with it."""
     limit = 256 * 2**20
-    pool = parse_pool("ns", "p", {"selector": {"matchLabels": {"a": "b"}}, "backend": "redis",
-                                  "redis": {"mode": "shared", "memory": "256Mi"}})  # fmt: skip
-    (container,) = redis_statefulset(pool, {}, 1)["spec"]["template"]["spec"]["containers"]
+    (container,) = redis_statefulset(POOL, {}, 1)["spec"]["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["memory"] == "256Mi"
     args = container["args"]
     settings = {args[i]: args[i + 1] for i in range(0, len(args) - 1, 2) if args[i].startswith("--")}
-    with redis_server() as shard:
+    with redis_server() as server:
         for name in ("maxmemory", "maxmemory-policy"):
-            redis_command(shard.port, "CONFIG", "SET", name, settings[f"--{name}"])
-        sidecar = start_sidecar(tmp_path, "64Mi", [shard.url])
+            redis_call(server.port, "CONFIG", "SET", name, settings[f"--{name}"])
+        sidecar = start_sidecar(tmp_path, "64Mi", [server.url])
         try:
             client = SidecarClient(sidecar.info["url"], timeout=30)
             rng = random.Random(0)
@@ -89,10 +102,10 @@ def test_a_shard_under_kvpools_write_pattern_stays_under_its_memory_limit(tmp_pa
             sidecar.stop()
         peak = next(
             int(line.split()[1]) * 1024
-            for line in Path(f"/proc/{shard.proc.popen.pid}/status").read_text().splitlines()
+            for line in Path(f"/proc/{server.proc.popen.pid}/status").read_text().splitlines()
             if line.startswith("VmHWM:")
         )
-        evicted = int(redis_command(shard.port, "INFO", "stats").split(b"evicted_keys:")[1].split(b"\r")[0])
+        evicted = int(redis_call(server.port, "INFO", "stats").split(b"evicted_keys:")[1].split(b"\r")[0])
     print(f"\npeak RSS {peak / 2**20:.1f} MiB, {peak / limit:.3f} of the limit; {evicted} evicted")
     assert evicted > 0  # it was full, and evicting
     assert peak <= limit

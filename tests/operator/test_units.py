@@ -119,11 +119,11 @@ def test_shards_to_publish(published: int | None, desired: int, ready: int, expe
 def test_conditions_keep_transition_time_while_unchanged() -> None:
     t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     t1 = t0 + datetime.timedelta(hours=1)
-    first = conditions.merge([], conditions.assess([], None, None), 1, t0)
-    same = conditions.merge(first, conditions.assess([], None, None), 2, t1)
+    first = conditions.merge([], conditions.assess([], None), 1, t0)
+    same = conditions.merge(first, conditions.assess([], None), 2, t1)
     assert [c["lastTransitionTime"] for c in same] == [c["lastTransitionTime"] for c in first]
     assert all(c["observedGeneration"] == 2 for c in same)
-    broken = conditions.merge(same, conditions.assess(["spec.capacity is wrong"], None, None), 3, t1)
+    broken = conditions.merge(same, conditions.assess(["spec.capacity is wrong"], None), 3, t1)
     by_type = {c["type"]: c for c in broken}
     assert (
         by_type["Ready"]["status"] == "False"
@@ -135,11 +135,11 @@ def test_conditions_keep_transition_time_while_unchanged() -> None:
 
 
 def test_shared_tier_conditions() -> None:
-    ready, degraded = conditions.assess([], None, (3, 0))
+    ready, degraded = conditions.assess([], (3, 0))
     assert (ready.status, degraded.status, ready.reason) == (False, True, "SharedTierStarting")
-    ready, degraded = conditions.assess([], None, (3, 2))
+    ready, degraded = conditions.assess([], (3, 2))
     assert (ready.status, degraded.status, degraded.reason) == (True, True, "ShardsNotReady")
-    ready, degraded = conditions.assess([], None, (3, 3))
+    ready, degraded = conditions.assess([], (3, 3))
     assert (ready.status, degraded.status) == (True, False)
 
 

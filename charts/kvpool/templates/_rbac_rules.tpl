@@ -11,8 +11,8 @@
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
-# What a pool owns: the connector ConfigMap, the shared tier's Secret (its generated password; an
-# external pool's Secret is only read), Service and StatefulSet.
+# What a pool owns: the connector ConfigMap, its generated Secrets (created, never read: no get, list
+# or watch on any Secret), the shared tier's Service and StatefulSet.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, create, patch]
@@ -21,7 +21,7 @@
   verbs: [create, patch]
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get, create]
+  verbs: [create]
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, create, patch]

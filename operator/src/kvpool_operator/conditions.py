@@ -17,18 +17,13 @@ class Condition:
 
 
 def assess(
-    problems: list[str], missing_secret: str | None, tier: tuple[int, int] | None, reason: str = "InvalidSpec"
+    problems: list[str], tier: tuple[int, int] | None, reason: str = "InvalidSpec"
 ) -> tuple[Condition, Condition]:
-    """(Ready, Degraded) from the problems (`reason`: spec problems by default), a missing Secret, and the
-    shared tier's (desired, ready)."""
+    """(Ready, Degraded) from the problems (`reason`: spec problems by default) and the shared tier's
+    (desired, ready)."""
     if problems:
         message = "; ".join(problems)
         return Condition("Ready", False, reason, message), Condition("Degraded", True, reason, message)
-    if missing_secret:
-        message = f"Secret {missing_secret} not found: pods get the cache once it exists"
-        return Condition("Ready", False, "SecretMissing", message), Condition(
-            "Degraded", True, "SecretMissing", message
-        )
     if tier is not None:
         desired, ready = tier
         if ready < 1:

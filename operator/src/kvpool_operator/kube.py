@@ -38,9 +38,7 @@ class Kind:
 
 KINDS: dict[str, Kind] = {
     "ConfigMap": Kind("api/v1", "configmaps", frozenset({"get", "create", "patch"})),
-    "Secret": Kind(
-        "api/v1", "secrets", frozenset({"get", "create"})
-    ),  # a generated password is never changed
+    "Secret": Kind("api/v1", "secrets", frozenset({"create"})),  # created once, never read
     "Service": Kind("api/v1", "services", frozenset({"create", "patch"})),
     "StatefulSet": Kind("apis/apps/v1", "statefulsets", frozenset({"get", "create", "patch"})),
     "Pod": Kind("api/v1", "pods", frozenset({"list"})),
@@ -145,22 +143,14 @@ class Kube:
                 raise
         return await self.patch(kind, namespace, body["metadata"]["name"], body)
 
-    async def ensure_absent_then_create(
-        self, kind: str, namespace: str, body: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        """Creates the object unless it exists; an existing one is kept as it is (a generated password)."""
-        existing = await self.get(kind, namespace, body["metadata"]["name"])
-        if existing is not None:
-            return existing
+    async def create_once(self, kind: str, namespace: str, body: Mapping[str, Any]) -> None:
+        """Creates the object unless it exists; an existing one is kept as it is and never read (a
+        generated Secret: the operator may create Secrets, not read them)."""
         try:
-            return await self.create(kind, namespace, body)
+            await self.create(kind, namespace, body)
         except ApiError as e:
             if e.status != 409:
                 raise
-        existing = await self.get(kind, namespace, body["metadata"]["name"])
-        if existing is None:
-            raise ApiError(409, f"{kind} {namespace}/{body['metadata']['name']} conflicts but is absent")
-        return existing
 
     async def list_pods(self, namespace: str, selector: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Pods the selector picks; the API server filters, and so do we (a proxy or mock may not)."""

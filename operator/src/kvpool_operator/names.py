@@ -34,6 +34,9 @@ PASSWORD_KEY = "password"
 POOL_KEY_KEY = "pool-key"  # the Secret key of the pool's chunk-authentication secret
 LAST_SCALE_ANNOTATION = "kvpool.dev/last-scale-time"  # on the shared tier's StatefulSet
 REDIS_PORT = 6379
+# The shard user the operator reads INFO memory as: no password, no access to data, so the operator
+# never reads the shards' password Secret (it may create Secrets, never read them).
+MONITOR_USER = "kvpool-monitor"
 
 
 def config_map_name(pool: str) -> str:

@@ -77,7 +77,7 @@ def shard_urls(pool: Pool, count: int) -> list[str]:
 def _generated_secret(
     name: str, key: str, pool: Pool, component: str, owner: Mapping[str, Any]
 ) -> dict[str, Any]:
-    value = secrets.token_urlsafe(32)  # created once, never rotated (ensure_absent_then_create)
+    value = secrets.token_urlsafe(32)  # created once, never rotated (Kube.create_once)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
@@ -131,6 +131,12 @@ def redis_statefulset(pool: Pool, owner: Mapping[str, Any], replicas: int) -> di
             str(int(memory * REDIS_MAXMEMORY_FRACTION)),
             "--maxmemory-policy",
             "allkeys-lru",  # a cache: evict, never refuse writes
+            "--user",  # the operator's: INFO and PING, no password, no data
+            names.MONITOR_USER,
+            "on",
+            "nopass",
+            "+info",
+            "+ping",
             "--save",
             "",
             "--appendonly",

@@ -25,16 +25,6 @@ def initial_shards(pool: Pool, current: int | None) -> int:
     return clamp(current if current is not None else pool.redis.replicas, pool.scaling)
 
 
-async def missing_secret(kube: Kube, pool: Pool) -> str | None:
-    """The name of the external mode's password Secret (or its key) when it is not there."""
-    if pool.redis is None or pool.redis.mode != "external" or not pool.redis.password_secret:
-        return None
-    secret = await kube.get("Secret", pool.namespace, pool.redis.password_secret)
-    if secret is None or pool.redis.password_key not in (secret.get("data") or {}):
-        return f"{pool.redis.password_secret} (key {pool.redis.password_key})"
-    return None
-
-
 async def publish(kube: Kube, pool: Pool, count: int) -> None:
     """Tells the pool's sidecars the first `count` shards (the ConfigMap key they re-read)."""
     text = objects.redis_urls_text(objects.shard_urls(pool, count))
@@ -67,7 +57,7 @@ async def reconcile(
     async def give_up(reason: str, problems: list[str]) -> None:
         """Degraded until the pool changes: retrying would get the same answer (kopf retries nothing
         after a handler returns)."""
-        ready, degraded = conditions.assess(problems, None, None, reason)
+        ready, degraded = conditions.assess(problems, None, reason)
         patch.status["conditions"] = conditions.merge(
             status.get("conditions") or [], [ready, degraded], generation, now
         )
@@ -81,16 +71,14 @@ async def reconcile(
     text = render(config)
     owner = objects.owner_reference(body)
     tier: tuple[int, int] | None = None
-    missing: str | None = None
     try:
         urls: list[str] | None = None
         if pool.redis is not None:
-            await kube.ensure_absent_then_create("Secret", namespace, objects.pool_key_secret(pool, owner))
+            await kube.create_once("Secret", namespace, objects.pool_key_secret(pool, owner))
         if pool.shared_tier:
             urls, tier = await _shared_tier(kube, pool, owner)
         elif pool.redis is not None:
-            urls = [pool.redis.url or ""]
-            missing = await missing_secret(kube, pool)
+            urls = [pool.redis.url or ""]  # its password Secret is the user's: never read, only referenced
         await kube.ensure("ConfigMap", namespace, objects.config_map(pool, owner, text, urls))
     except ApiError as e:
         if e.transient:
@@ -98,15 +86,13 @@ async def reconcile(
         await give_up("Refused", [f"the API server refused a call ({e}); tried again when the pool changes"])
         return
 
-    ready, degraded = conditions.assess([], missing, tier)
+    ready, degraded = conditions.assess([], tier)
     patch.status["connectorConfig"] = text
     patch.status["conditions"] = conditions.merge(
         status.get("conditions") or [], [ready, degraded], generation, now
     )
     for warning in warnings:
         await events.post(kube, pool, "Warning", "ExtraConfigOverridden", warning)
-    if missing:
-        await events.post(kube, pool, "Warning", "SecretMissing", degraded.message)
     if status.get("connectorConfig") != text:
         await events.post(
             kube,
@@ -120,7 +106,7 @@ async def reconcile(
 
 async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> tuple[list[str], tuple[int, int]]:
     ns, name = pool.namespace, names.redis_name(pool.name)
-    await kube.ensure_absent_then_create("Secret", ns, objects.password_secret(pool, owner))
+    await kube.create_once("Secret", ns, objects.password_secret(pool, owner))
     await kube.ensure("Service", ns, objects.redis_service(pool, owner))
     sts = await kube.get("StatefulSet", ns, name)
     current = (sts or {}).get("spec", {}).get("replicas")

@@ -3,7 +3,6 @@ shared Redis tier, and write what it found to status (the handler is a kopf time
 
 from __future__ import annotations
 
-import base64
 import datetime
 from collections.abc import Mapping
 from typing import Any
@@ -14,7 +13,7 @@ from kvpool_operator import conditions, events, names, objects, pods
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pool import Pool, parse_pool, problems
-from kvpool_operator.reconcile import RETRY_DELAY, missing_secret, publish
+from kvpool_operator.reconcile import RETRY_DELAY, publish
 from kvpool_operator.scaling import desired_shards, shards_to_publish
 from kvpool_operator.settings import OperatorSettings
 
@@ -47,17 +46,14 @@ async def refresh(
         ]
         stats = pods.aggregate(await pods.scrape(urls, settings.scrape_timeout))
         tier: tuple[int, int] | None = None
-        missing: str | None = None
         shared: dict[str, Any] | None = None
         if pool.shared_tier:
             shared = await scale(kube, pool, memo, now)
             tier = (shared["replicas"], shared["readyReplicas"])
-        else:
-            missing = await missing_secret(kube, pool)
     except ApiError as e:
         raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
 
-    ready, degraded = conditions.assess([], missing, tier)
+    ready, degraded = conditions.assess([], tier)
     found_status = {
         "matchedPods": counts.matched,
         "readyPods": counts.ready,
@@ -97,9 +93,7 @@ async def scale(kube: Kube, pool: Pool, memo: Any, now: datetime.datetime) -> di
 
     desired = pool.redis.replicas
     if pool.scaling is not None:
-        utilization = await memo.memory_source(
-            pool, await _ready_shard_pods(kube, pool), await _password(kube, pool)
-        )
+        utilization = await memo.memory_source(pool, await _ready_shard_pods(kube, pool))
         if utilization is not None:
             result["memoryUtilization"] = round(utilization)
         since = (now - datetime.datetime.fromisoformat(last)).total_seconds() if last else None
@@ -134,9 +128,3 @@ async def scale(kube: Kube, pool: Pool, memo: Any, now: datetime.datetime) -> di
 async def _ready_shard_pods(kube: Kube, pool: Pool) -> list[dict[str, Any]]:
     found = await kube.list_pods(pool.namespace, {"matchLabels": objects.redis_selector(pool)})
     return [p for p in found if pods.is_ready(p)]
-
-
-async def _password(kube: Kube, pool: Pool) -> str | None:
-    secret = await kube.get("Secret", pool.namespace, names.redis_name(pool.name))
-    raw = ((secret or {}).get("data") or {}).get(names.PASSWORD_KEY)
-    return base64.b64decode(raw).decode() if raw else None

@@ -12,13 +12,13 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvpool_operator.names import REDIS_PORT
+from kvpool_operator.names import MONITOR_USER, REDIS_PORT
 from kvpool_operator.pool import Pool, ScalingSpec
 
 TOLERANCE = 0.1  # no change while utilization is within 10% of the target (as the HPA does)
 
 # (pool, its ready shard pods, the Redis password) -> mean memory utilization in percent, or None
-MemorySource = Callable[[Pool, list[dict[str, Any]], str | None], Awaitable[float | None]]
+MemorySource = Callable[[Pool, list[dict[str, Any]]], Awaitable[float | None]]
 
 
 def clamp(n: int, scaling: ScalingSpec) -> int:
@@ -57,20 +57,18 @@ def shards_to_publish(published: int | None, desired: int, ready: int) -> int:
     return published
 
 
-async def redis_memory_utilization(
-    host: str, port: int, password: str | None, timeout: float
-) -> float | None:
-    """used_memory / maxmemory in percent from `INFO memory` (RESP over a plain socket); None if unknown."""
+async def redis_memory_utilization(host: str, port: int, timeout: float) -> float | None:
+    """used_memory / maxmemory in percent from `INFO memory` (RESP over a plain socket), asked as the
+    shard's monitor user (names.MONITOR_USER); None if unknown."""
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (OSError, TimeoutError):
         return None
     try:
-        if password:
-            writer.write(_command("AUTH", password))
+        writer.write(_command("AUTH", MONITOR_USER, "-"))  # nopass: any password
         writer.write(_command("INFO", "memory"))
         await writer.drain()
-        if password and not (await asyncio.wait_for(reader.readline(), timeout)).startswith(b"+OK"):
+        if not (await asyncio.wait_for(reader.readline(), timeout)).startswith(b"+OK"):
             return None
         header = await asyncio.wait_for(reader.readline(), timeout)
         if not header.startswith(b"$"):
@@ -88,11 +86,9 @@ async def redis_memory_utilization(
 def redis_info_source(timeout: float, port: int = REDIS_PORT) -> MemorySource:
     """The default source: INFO memory from each ready shard pod, averaged."""
 
-    async def source(pool: Pool, shard_pods: list[dict[str, Any]], password: str | None) -> float | None:
+    async def source(pool: Pool, shard_pods: list[dict[str, Any]]) -> float | None:
         ips = [p.get("status", {}).get("podIP") for p in shard_pods]
-        values = await asyncio.gather(
-            *(redis_memory_utilization(ip, port, password, timeout) for ip in ips if ip)
-        )
+        values = await asyncio.gather(*(redis_memory_utilization(ip, port, timeout) for ip in ips if ip))
         known = [v for v in values if v is not None]
         return sum(known) / len(known) if known else None
 
