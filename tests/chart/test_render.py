@@ -14,13 +14,23 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from chartkit import CHART, EXAMPLE_VALUES, NAMESPACE, find, of_kind, render_text, run_helm, template_args
+from chartkit import (
+    CHART,
+    EXAMPLE_VALUES,
+    NAMESPACE,
+    find,
+    of_kind,
+    render,
+    render_text,
+    run_helm,
+    template_args,
+)
 
 VALUES = [None, *EXAMPLE_VALUES]
 VALUE_IDS = ["defaults", *(p.name for p in EXAMPLE_VALUES)]
 KUBERNETES_VERSIONS = ["1.28.0", "1.37.0"]  # Chart.yaml's kubeVersion floor, and the newest known
 # Kinds kubernetes-validate has no schema for; each is checked below by other means.
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor"}
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor", "Certificate", "Issuer"}
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -142,7 +152,10 @@ def test_webhook_is_wired_to_the_operator(rendered: Callable, values_file: Path 
     assert labels["kvpool.dev/inject"] == "false"
 
 
-@pytest.mark.parametrize("values_file", VALUES, ids=VALUE_IDS)
+HELM_TLS = [(v, i) for v, i in zip(VALUES, VALUE_IDS, strict=True) if i != "cert-manager-values.yaml"]
+
+
+@pytest.mark.parametrize("values_file", [v for v, _ in HELM_TLS], ids=[i for _, i in HELM_TLS])
 def test_webhook_certificate_is_signed_by_the_ca_bundle(
     rendered: Callable, values_file: Path | None, tmp_path: Path
 ) -> None:
@@ -259,3 +272,27 @@ def test_kubernetes_1_28_needs_the_legacy_sidecar() -> None:
     assert refused.returncode != 0 and "legacySidecar=true" in refused.stderr
     assert run_helm(*template_args(None, "legacySidecar=true"), "--kube-version", "1.28.9").returncode == 0
     assert run_helm(*template_args(), "--kube-version", "1.29.0").returncode == 0
+
+
+def test_with_cert_manager_every_render_is_the_same_and_the_ca_is_injected() -> None:
+    """GitOps renders with `helm template`, which cannot look the webhook's Secret up: by default each
+    render makes a new CA. With cert-manager nothing random is rendered: its CA Issuer signs the serving
+    certificate the operator mounts, and its cainjector writes that CA into the webhook."""
+    values = CHART / "ci" / "cert-manager-values.yaml"
+    assert render_text(values) == render_text(values)
+    assert render_text(None) != render_text(None)  # why: helm's genCA, fresh in every render
+    objects = render(values)
+    assert not [o for o in of_kind(objects, "Secret") if o.get("type") == "kubernetes.io/tls"]
+    hook = find(objects, "MutatingWebhookConfiguration")
+    (webhook,) = hook["webhooks"]
+    assert "caBundle" not in webhook["clientConfig"]
+    namespace, name = hook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"].split("/")
+    serving = find(objects, "Certificate", name)
+    assert namespace == NAMESPACE == serving["metadata"]["namespace"]
+    volume = next(v for v in _operator(objects)["spec"]["volumes"] if v["name"] == "webhook-tls")
+    assert serving["spec"]["secretName"] == volume["secret"]["secretName"]
+    service = find(objects, "Service", webhook["clientConfig"]["service"]["name"])
+    assert f"{service['metadata']['name']}.{NAMESPACE}.svc" in serving["spec"]["dnsNames"]
+    ca_issuer = find(objects, "Issuer", serving["spec"]["issuerRef"]["name"])
+    ca = next(c for c in of_kind(objects, "Certificate") if c["spec"].get("isCA"))
+    assert ca_issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]

@@ -68,8 +68,8 @@ def _add_status_routes(app: FastAPI, sidecar: Sidecar) -> None:
 
     @app.get("/readyz", tags=["status"], responses={503: {"model": s.Error}})
     async def readyz(tier: Literal["all", "cpu"] = "all") -> JSONResponse:
-        # tier=cpu: ready as soon as the CPU tier serves, whatever Redis does. The pod's startup
-        # probe asks this, so a Redis outage never keeps vLLM from starting (it is a miss, not an error).
+        # tier=cpu: ready as soon as the CPU tier serves, whatever Redis does (a Redis outage is a miss,
+        # not an error).
         ok, reason = sidecar.ready(cpu_only=tier == "cpu")
         if ok:
             return JSONResponse({"ready": True, "reason": reason})
