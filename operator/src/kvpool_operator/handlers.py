@@ -61,7 +61,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
                 return
             pools = index.in_namespace(namespace)
             await webhook.inject(
-                body, kwargs["patch"], kwargs["warnings"], kwargs["memo"], pools, kwargs.get("dryrun")
+                body, kwargs["patch"], kwargs["warnings"], kwargs["memo"], pools, bool(kwargs.get("dryrun"))
             )
         except Exception:
             logging.getLogger("kvpool.webhook").exception("kvpool-inject failed; admitting the pod untouched")

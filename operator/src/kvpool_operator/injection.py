@@ -146,13 +146,17 @@ def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bo
         "--arena-dir", names.ARENA_DIR,
         "--shared-group",  # the pod gives every container the sidecar's group: files are 0660
     ]  # fmt: skip
-    mounts = [{"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR}]
+    mounts: list[dict[str, Any]] = [{"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR}]
     env: list[dict[str, Any]] = []
     if pool.redis is not None:
         args += ["--redis-urls-file", f"{names.REDIS_URLS_DIR}/{names.REDIS_URLS_KEY}", "--pool-key-required"]
         # optional: a pod admitted before the operator made the Secret still starts (its Redis tier
         # stays off, and /readyz says why) rather than waiting on a cache
-        key_ref = {"name": names.pool_key_secret(pool.name), "key": names.POOL_KEY_KEY, "optional": True}
+        key_ref: dict[str, Any] = {
+            "name": names.pool_key_secret(pool.name),
+            "key": names.POOL_KEY_KEY,
+            "optional": True,
+        }
         env.append({"name": "KVPOOL_POOL_KEY", "valueFrom": {"secretKeyRef": key_ref}})
         mounts.append({"name": names.REDIS_URLS_VOLUME, "mountPath": names.REDIS_URLS_DIR, "readOnly": True})
         secret = password_secret(pool)

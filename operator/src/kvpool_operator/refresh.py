@@ -22,12 +22,13 @@ async def refresh(
     spec: Mapping[str, Any],
     meta: Mapping[str, Any],
     name: str,
-    namespace: str,
+    namespace: str | None,
     status: Mapping[str, Any],
     patch: kopf.Patch,
     memo: Any,
     **_: Any,
 ) -> None:
+    namespace = namespace or ""  # pools are namespaced (kopf types None for cluster objects)
     kube: Kube = memo.kube
     settings: OperatorSettings = memo.settings
     try:

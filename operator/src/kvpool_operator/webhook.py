@@ -24,7 +24,7 @@ class WebhookServer(kopf.WebhookServer):
     """kopf's server, plus the request's namespace on the object: pods made by controllers arrive
     without metadata.namespace (and often without a name), and kopf hands handlers only the object."""
 
-    async def __call__(self, fn: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+    async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         async def with_namespace(request: Any, **kwargs: Any) -> Any:
             payload = request.get("request") or {}
             obj = payload.get("object")
@@ -49,7 +49,12 @@ async def inject(
     warnings.extend(decision.warnings)
     if decision.pod is not None:
         new = decision.pod
-        patch.fns.append(lambda raw: (raw.clear(), raw.update(copy.deepcopy(new))))
+
+        def replace(raw: Any) -> None:  # the whole pod: kopf turns the difference into a JSON patch
+            raw.clear()
+            raw.update(copy.deepcopy(new))
+
+        patch.fns.append(replace)
     if decision.warnings and not dryrun:
         for pool in decision.pools:
             _background(memo, events.post(memo.kube, pool, "Warning", "PodNotInjected", decision.warnings[0]))
