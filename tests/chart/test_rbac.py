@@ -129,7 +129,7 @@ def sent_by_operator(api: KubeAPI) -> list[Request]:
 def shared_pool(namespace: str) -> dict[str, Any]:
     pool = yaml.safe_load((REPO / "examples" / "shared-redis.yaml").read_text())
     pool["metadata"]["namespace"] = namespace
-    pool["spec"]["scaling"] = {"minReplicas": 1, "maxReplicas": 2, "targetMemoryUtilization": 50}
+    pool["spec"]["scaling"] = {"minReplicas": 1, "maxReplicas": 2, "capacityPercent": 300}
     pool["spec"]["redis"]["replicas"] = 1
     return pool
 
@@ -154,16 +154,28 @@ def run_scenario(tmp: Path) -> list[Request]:
             api.create(pool_path(ns), shared)
             api.create(pool_path(ns), external)
             labels = shared["spec"]["selector"]["matchLabels"]
+            injected = {"kvpool.dev/pool": shared["metadata"]["name"]}  # as the webhook labels it
             pod = {
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"name": "vllm-0", "namespace": ns, "labels": labels},
+                "metadata": {
+                    "name": "vllm-0",
+                    "namespace": ns,
+                    "labels": {**labels, **injected},
+                    "annotations": {"kvpool.dev/status-port": "7071"},
+                },
                 "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
             }
             api.create(core_path(ns, "pods"), pod)
             sts = apps_path(ns, "statefulsets", f"{shared['metadata']['name']}-kvpool-redis")
             wait_until(lambda: api.get(sts), 30, "the shard StatefulSet")
-            memory.values[shared["metadata"]["name"]] = 95.0  # percent; the target is 50: two shards
+            # the pod turns Ready: its 8Gi arena x 300% needs more than one 11.2 GiB shard
+            ready = {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+            api.patch(core_path(ns, "pods", "vllm-0"), {"status": ready})
             wait_until(
                 lambda: (api.get(sts) or {}).get("spec", {}).get("replicas") == 2, 30, "the tier to scale up"
             )

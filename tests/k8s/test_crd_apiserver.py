@@ -131,9 +131,9 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("scaling without max", {**SHARED, "scaling": {"minReplicas": 1}}, "spec.scaling.maxReplicas"),
     (
-        "target above 100",
-        {**SHARED, "scaling": {"maxReplicas": 2, "targetMemoryUtilization": 120}},
-        "spec.scaling.targetMemoryUtilization",
+        "capacity percent zero",
+        {**SHARED, "scaling": {"maxReplicas": 2, "capacityPercent": 0}},
+        "spec.scaling.capacityPercent",
     ),
     ("scaling on cpu backend", {"scaling": {"maxReplicas": 2}}, "spec.scaling"),
     (

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import base64
 import json
-import secrets
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis as redis_py
 from controlplane import ControlPlane, condition, get_json
 from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until
 from operatorkit import (
@@ -42,6 +40,7 @@ from podchecks import assert_injected, untouched
 
 from kvpool_operator.kube import RBAC
 from kvpool_operator.names import REDIS_PORT
+from kvpool_sidecar.client import SidecarClient
 
 E2E = REPO / "tests" / "e2e" / "manifests"
 
@@ -425,13 +424,19 @@ QUOTA_NAMESPACE = "vllm-quota"
 # --- the shared Redis tier -------------------------------------------------------------------------
 
 
-def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple) -> None:
+def test_the_shared_tier_follows_the_pools_pods_both_ways_and_drains_before_a_shard_stops(
+    operator: tuple, tmp_path: Path
+) -> None:
+    """Each vLLM pod has a 16 MiB arena and a 32Mi shard holds 22.4 MiB: two ready pods need two shards,
+    one pod one. Down, the shard is unpublished first and stopped only once the remaining pod's real
+    sidecar reads the shorter list (written to its file here, as the kubelet refreshes a ConfigMap
+    volume a minute or more later). The operator reads a real shard's memory as its monitor user."""
     cp, _ = operator
     ns = namespace(cp, "shared-tier")
     tier = "cache-kvpool-redis"
     redis = {"mode": "shared", "replicas": 1, "memory": "32Mi"}
-    scaling = {"minReplicas": 1, "maxReplicas": 2, "targetMemoryUtilization": 50}
-    apply(cp, cpu_pool(ns, "cache", backend="redis", redis=redis, scaling=scaling))
+    scaling = {"minReplicas": 1, "maxReplicas": 2, "capacityPercent": 100}
+    apply(cp, cpu_pool(ns, "cache", capacity="16Mi", backend="redis", redis=redis, scaling=scaling))
     wait_until(
         lambda: cp.kubectl_result("-n", ns, "get", "statefulset", tier).returncode == 0, 60, "the StatefulSet"
     )
@@ -443,23 +448,54 @@ def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple) -> 
     ):
         owner = get_json(cp, "-n", ns, kind, name)["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["controller"]) == ("KVCachePool", "cache", True)
-    shard = wait_until(lambda: all_ready(pods_of(cp, ns, "kvpool.dev/pool=cache"), 1), 90, "the first shard")[
-        0
-    ]
+    (shard,) = wait_until(
+        lambda: all_ready(pods_of(cp, ns, "kvpool.dev/pool=cache"), 1), 90, "the first shard"
+    )
     password = _secret_password(cp, ns, tier)
-    ip = shard["status"]["podIP"]
     # the real redis-server as the shard pod: on its address, with the StatefulSet's own arguments (its
     # password from the Secret, its maxmemory, the monitor user the operator reads INFO as)
-    (redis,) = get_json(cp, "-n", ns, "statefulset", tier)["spec"]["template"]["spec"]["containers"]
-    args = [a.replace("$(REDIS_PASSWORD)", password) for a in redis["args"]]
-    assert int(args[args.index("--maxmemory") + 1]) == int(32 * 2**20 * 0.7)
-    with redis_with(*args, password=password, port=REDIS_PORT, host=ip):
-        shared = lambda: pool_status(cp, ns, "cache").get("sharedTier") or {}  # noqa: E731
-        wait_until(lambda: shared().get("readyReplicas") == 1, 60, "the shard counted ready")
-        _fill(ip, password, 18 * 2**20)  # 18 of 22.4 MiB maxmemory: ~80% against a 50% target
-        # a deadline for a loaded CI machine: the operator polls the shard's memory on its refresh timer
-        wait_until(lambda: get_json(cp, "-n", ns, "statefulset", tier)["spec"]["replicas"] == 2, 150,
-                   "the operator to scale the tier to two shards")  # fmt: skip
+    (container,) = get_json(cp, "-n", ns, "statefulset", tier)["spec"]["template"]["spec"]["containers"]
+    args = [a.replace("$(REDIS_PASSWORD)", password) for a in container["args"]]
+    shared = lambda: pool_status(cp, ns, "cache").get("sharedTier") or {}  # noqa: E731
+    with redis_with(*args, password=password, port=REDIS_PORT, host=shard["status"]["podIP"]):
+        wait_until(lambda: shared().get("memoryUtilization") is not None, 60, "the shard's memory, read")
+
+    apply(cp, {**restricted_deployment(ns, replicas=2), "metadata": {"name": "vllm", "namespace": ns}})
+    wait_until(lambda: all_ready(pods_of(cp, ns), 2), 90, "two vLLM pods")
+    wait_until(lambda: shared().get("publishedShards") == 2, 90, "two shards, both published")
+    assert shared()["demandBytes"] == 2 * 16 * 2**20
+    sidecars: dict[str, tuple[Proc, Path]] = {}
+    try:
+        for pod in pods_of(cp, ns):  # each pod's real sidecar, reading its shard list from a file
+            urls = tmp_path / pod["metadata"]["name"] / "redis-urls"
+            urls.parent.mkdir()
+            _kubelet_refresh(cp, ns, urls)
+            port = pod["metadata"]["annotations"]["kvpool.dev/status-port"]
+            sidecars[pod["metadata"]["name"]] = (
+                start_sidecar(urls.parent, "16Mi", [], "--status-host", pod["status"]["podIP"],
+                              "--status-port", port, "--redis-urls-file", str(urls)),
+                urls,
+            )  # fmt: skip
+        wait_until(lambda: (pool_status(cp, ns, "cache").get("stats") or {}).get("sidecars") == 2, 60,
+                   "both sidecars read by the operator")  # fmt: skip
+
+        cp.kubectl("-n", ns, "scale", "deployment/vllm", "--replicas=1")
+        (left,) = wait_until(lambda: all_ready(pods_of(cp, ns), 1), 90, "one vLLM pod left")
+        for name in [n for n in sidecars if n != left["metadata"]["name"]]:
+            sidecars.pop(name)[0].stop()  # its pod is gone
+        draining = wait_until(lambda: (s := shared()).get("draining") and s, 60, "the shard unpublished")
+        assert draining["publishedShards"] == 1 and draining["replicas"] == 2
+        assert get_json(cp, "-n", ns, "statefulset", tier)["spec"]["replicas"] == 2  # still serving
+        proc, urls = sidecars[left["metadata"]["name"]]
+        assert SidecarClient(proc.info["url"]).stats()["tiers"]["redis"]["shards"] == 2  # the old list
+        _kubelet_refresh(cp, ns, urls)  # the kubelet catches up
+        wait_until(lambda: get_json(cp, "-n", ns, "statefulset", tier)["spec"]["replicas"] == 1, 60,
+                   "the shard stopped once the sidecar stopped using it")  # fmt: skip
+        events = get_json(cp, "-n", ns, "events", "--field-selector", "reason=Scaled")["items"]
+        assert any("2 -> 1 shards" in e["message"] for e in events), [e["message"] for e in events]
+    finally:
+        for proc, _ in sidecars.values():
+            proc.stop()
     cp.kubectl("-n", ns, "delete", "kvp", "cache", "--wait=true", "--timeout=60s")
 
     def collected() -> bool:  # by the controller manager's garbage collector, from the ownerReferences
@@ -471,19 +507,13 @@ def test_shared_tier_objects_scaling_and_garbage_collection(operator: tuple) -> 
     wait_until(collected, 90, "the pool's objects to be garbage-collected")
 
 
+def _kubelet_refresh(cp: ControlPlane, ns: str, path: Path) -> None:
+    """What the kubelet does for a ConfigMap volume: the pool's shard list, written to the pod's file."""
+    path.write_text(get_json(cp, "-n", ns, "configmap", "cache-kvpool")["data"]["redis-urls"])
+
+
 def _secret_password(cp: ControlPlane, ns: str, name: str) -> str:
     return base64.b64decode(get_json(cp, "-n", ns, "secret", name)["data"]["password"]).decode()
-
-
-def _fill(ip: str, password: str, nbytes: int) -> None:
-    value = secrets.token_bytes(64 * 1024)
-    with (
-        redis_py.Redis(host=ip, port=REDIS_PORT, password=password) as client,
-        client.pipeline(transaction=False) as pipe,
-    ):
-        for i in range(nbytes // len(value)):
-            pipe.set(f"fill:{i}", value)
-        pipe.execute()
 
 
 # --- RBAC, again, and fail-open (last: it stops the operator) ---------------------------------------

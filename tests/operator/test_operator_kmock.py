@@ -4,6 +4,7 @@ deletion. kmock's gaps are worked around in tests/operator/kubeapi.py, never in 
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -301,7 +302,12 @@ def shards_ready(cluster: Cluster, ns: str, n: int) -> None:
     cluster.api.patch(apps_path(ns, "statefulsets", "tier-kvpool-redis"), {"status": {"readyReplicas": n}})
 
 
-def test_memory_utilization_scales_the_shared_tier_within_bounds_with_a_cooldown(cluster: Cluster) -> None:
+def test_the_shared_tier_follows_the_pools_pods_both_ways_within_bounds_with_a_cooldown(
+    cluster: Cluster,
+) -> None:
+    """Demand is the ready pods' arenas together (64 MiB each here; a 128Mi shard holds 89.6 MiB): two
+    pods, two shards; five, the maximum of three; none, down one shard per cooldown to the minimum,
+    each unpublished before it stops. (Real sidecars, whose drain holds a shrink: tests/k8s.)"""
     ns = "scale"
     create_pool(
         cluster,
@@ -309,9 +315,10 @@ def test_memory_utilization_scales_the_shared_tier_within_bounds_with_a_cooldown
         "tier",
         {
             "selector": {"matchLabels": {"app": "vllm"}},
+            "capacity": "64Mi",
             "backend": "redis",
-            "redis": {"mode": "shared", "replicas": 1, "memory": "256Mi"},
-            "scaling": {"minReplicas": 1, "maxReplicas": 3, "targetMemoryUtilization": 50},
+            "redis": {"mode": "shared", "replicas": 1, "memory": "128Mi"},
+            "scaling": {"minReplicas": 1, "maxReplicas": 3, "capacityPercent": 100},
         },
     )
     wait_until(
@@ -319,8 +326,8 @@ def test_memory_utilization_scales_the_shared_tier_within_bounds_with_a_cooldown
     )
     shards_ready(cluster, ns, 1)
     assert scale_state(cluster, ns) == (1, 1)
-
-    cluster.memory.values["tier"] = 95.0  # almost twice the target: 2 shards
+    for i in range(2):
+        run_pod(cluster, ns, f"vllm-{i}", {"app": "vllm"}, ready=True)
 
     def scaled_up() -> bool:
         # the shard stays ready, as a StatefulSet controller keeps reporting it (an operator patch of
@@ -335,12 +342,8 @@ def test_memory_utilization_scales_the_shared_tier_within_bounds_with_a_cooldown
     )
     shards_ready(cluster, ns, 2)
     wait_until(lambda: scale_state(cluster, ns) == (2, 2), 30, "the second shard published")
-
-    seen = refreshes(cluster)  # still 95%: the cooldown holds the count for several refreshes
-    wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
-    assert scale_state(cluster, ns) == (2, 2)
     status = pool_status(cluster, ns, "tier")
-    assert status["sharedTier"]["memoryUtilization"] == 95 and status["sharedTier"]["replicas"] == 2
+    assert status["sharedTier"]["demandBytes"] == 2 * 64 * 2**20 and status["sharedTier"]["replicas"] == 2
 
     def scaled_to(n: int) -> Callable[[], bool]:
         def check() -> bool:
@@ -351,17 +354,30 @@ def test_memory_utilization_scales_the_shared_tier_within_bounds_with_a_cooldown
 
         return check
 
-    wait_until(scaled_to(3), 30, "scale up to the maximum")  # ceil(2 * 1.9) = 4, capped at 3
+    for i in range(2, 5):
+        run_pod(cluster, ns, f"vllm-{i}", {"app": "vllm"}, ready=True)
+    wait_until(scaled_to(3), 30, "scale up to the maximum")  # 320 MiB needs four, capped at three
     shards_ready(cluster, ns, 3)
     wait_until(lambda: scale_state(cluster, ns) == (3, 3), 30, "three shards published")
-    end_cooldown(cluster, ns)
+    seen = refreshes(cluster)  # in the cooldown, and at the maximum: no change
+    wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
+    assert scale_state(cluster, ns) == (3, 3)
+
+    # a change just now (the test's own end_cooldown may have landed after the operator's last one)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cluster.api.patch(
+        apps_path(ns, "statefulsets", "tier-kvpool-redis"),
+        {"metadata": {"annotations": {"kvpool.dev/last-scale-time": now}}},
+    )
+    for i in range(5):  # the pool's Deployment scaled to zero: the tier follows, one shard at a time
+        cluster.api.delete(core_path(ns, "pods", f"vllm-{i}"))
     seen = refreshes(cluster)
     wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
-    assert scale_state(cluster, ns) == (3, 3)  # at the maximum, even with the cooldown over
-
-    cluster.memory.values["tier"] = 5.0  # nearly empty: down to the minimum
-    wait_until(scaled_to(1), 30, "scale down to the minimum")
-    assert scale_state(cluster, ns) == (1, 1)  # unpublished before the shards go
+    assert scale_state(cluster, ns) == (3, 3)  # the cooldown holds the shrink too
+    wait_until(scaled_to(2), 30, "down one shard")
+    assert scale_state(cluster, ns) == (2, 2)  # unpublished before it goes
+    wait_until(scaled_to(1), 30, "down to the minimum")
+    assert scale_state(cluster, ns) == (1, 1)
     end_cooldown(cluster, ns)
     seen = refreshes(cluster)
     wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")

@@ -13,7 +13,7 @@ from kvpool_operator import conditions, readiness
 from kvpool_operator.injection import arena_size_limit
 from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
-from kvpool_operator.scaling import desired_shards, shards_to_publish
+from kvpool_operator.scaling import demand_bytes, desired_shards, drained, shards_to_publish
 from kvpool_operator.selector import matches, to_query
 from kvpool_operator.vllm_target import strip_ours
 
@@ -87,25 +87,48 @@ def test_selector_query() -> None:
     assert to_query(SELECTOR) == "app=vllm,tier in (a,b),!canary,zone notin (x),gpu"
 
 
-S = ScalingSpec(min_replicas=2, max_replicas=6, target_utilization=50)
+S = ScalingSpec(min_replicas=2, max_replicas=6, capacity_percent=100)
+GB = 10**9  # a shard holds 1 GB here
 
 
 @pytest.mark.parametrize(
-    ("current", "utilization", "since", "expected"),
+    ("current", "demand", "since", "expected"),
     [
-        (2, 100.0, None, 4),  # twice the target: twice the shards
-        (2, 52.0, None, 2),  # within the tolerance
-        (4, 10.0, None, 2),  # shrink, but not below min
-        (4, 400.0, None, 6),  # grow, but not above max
-        (2, 100.0, 10.0, 2),  # in the cooldown: no change
-        (2, 100.0, 400.0, 4),  # cooldown over
-        (1, 10.0, 10.0, 2),  # below min (bounds changed): corrected even in the cooldown
-        (9, None, None, 6),  # above max: corrected without a measurement
-        (3, None, None, 3),  # nothing measured: nothing changes
+        (2, 4 * GB, None, 4),  # up at once to what the demand needs
+        (2, 2 * GB, None, 2),  # fits exactly: no change
+        (4, int(1.7 * GB), None, 3),  # fits two with 10% to spare: down one shard, not two at once
+        (3, int(1.85 * GB), None, 3),  # fits two, but not with 10% to spare: no change (no flapping)
+        (4, 0, None, 3),  # no pods: down, one at a time
+        (2, 0, None, 2),  # ... never below min
+        (4, 40 * GB, None, 6),  # never above max
+        (2, 4 * GB, 10.0, 2),  # in the cooldown: no change
+        (2, 4 * GB, 400.0, 4),  # cooldown over
+        (1, 0, 10.0, 2),  # below min (bounds changed): corrected even in the cooldown
+        (9, 0, 10.0, 6),  # above max: corrected even in the cooldown
     ],
 )
-def test_desired_shards(current: int, utilization: float | None, since: float | None, expected: int) -> None:
-    assert desired_shards(current, utilization, S, since, cooldown=300) == expected
+def test_desired_shards_follow_demand_both_ways(
+    current: int, demand: int, since: float | None, expected: int
+) -> None:
+    assert desired_shards(current, demand, GB, S, since, cooldown=300) == expected
+
+
+def test_demand_is_the_ready_pods_arenas_times_the_percent() -> None:
+    spec = {"selector": {"matchLabels": {"a": "b"}}, "capacity": "4Gi", "backend": "redis",
+            "redis": {"mode": "shared"}, "scaling": {"maxReplicas": 4, "capacityPercent": 150}}  # fmt: skip
+    pool = parse_pool("ns", "p", spec)
+    assert demand_bytes(pool, 3) == 3 * 4 * 2**30 * 3 // 2
+
+
+def test_a_shard_stops_only_once_every_sidecar_has_stopped_using_it() -> None:
+    def using(n: int | None) -> dict:
+        return {"tiers": {"redis": {"shards": n}}} if n is not None else {}
+
+    assert drained([using(2), using(2)], expected=2, shards=2)
+    assert not drained([using(2), using(3)], expected=2, shards=2)  # one still reads the old list
+    assert not drained([using(2)], expected=2, shards=2)  # one did not answer: unknown
+    assert not drained([using(2), using(None)], expected=2, shards=2)  # one has no Redis tier configured
+    assert drained([], expected=0, shards=1)  # no pods: nothing uses any shard
 
 
 @pytest.mark.parametrize(

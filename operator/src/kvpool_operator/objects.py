@@ -113,9 +113,14 @@ def redis_service(pool: Pool, owner: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def shard_maxmemory(pool: Pool) -> int:
+    """The bytes of chunks one shard holds (its maxmemory)."""
+    assert pool.redis is not None
+    return int(parse_quantity(pool.redis.memory) * REDIS_MAXMEMORY_FRACTION)
+
+
 def redis_statefulset(pool: Pool, owner: Mapping[str, Any], replicas: int) -> dict[str, Any]:
     assert pool.redis is not None
-    memory = parse_quantity(pool.redis.memory)
     name = names.redis_name(pool.name)
     labels = redis_selector(pool)
     container = {
@@ -128,7 +133,7 @@ def redis_statefulset(pool: Pool, owner: Mapping[str, Any], replicas: int) -> di
             "--requirepass",
             "$(REDIS_PASSWORD)",
             "--maxmemory",
-            str(int(memory * REDIS_MAXMEMORY_FRACTION)),
+            str(shard_maxmemory(pool)),
             "--maxmemory-policy",
             "allkeys-lru",  # a cache: evict, never refuse writes
             "--user",  # the operator's: INFO and PING, no password, no data

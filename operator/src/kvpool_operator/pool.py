@@ -18,7 +18,7 @@ DEFAULT_CHUNK_SIZE = 256
 DEFAULT_SIDECAR_PORT = 7070
 DEFAULT_REDIS_MEMORY = "1Gi"
 DEFAULT_REDIS_IMAGE = "redis:7.4"
-DEFAULT_TARGET_UTILIZATION = 70
+DEFAULT_CAPACITY_PERCENT = 100
 MIN_CAPACITY_BYTES = 16 * 2**20  # below this an arena holds too few chunks to be worth a sidecar
 
 
@@ -37,7 +37,7 @@ class RedisSpec:
 class ScalingSpec:
     min_replicas: int
     max_replicas: int
-    target_utilization: int = DEFAULT_TARGET_UTILIZATION
+    capacity_percent: int = DEFAULT_CAPACITY_PERCENT
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,8 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any], uid: str | No
         scaling = ScalingSpec(
             min_replicas=_int(s, "minReplicas", 1, "spec.scaling.minReplicas"),
             max_replicas=_int(s, "maxReplicas", _int(s, "minReplicas", 1, ""), "spec.scaling.maxReplicas"),
-            target_utilization=_int(
-                s,
-                "targetMemoryUtilization",
-                DEFAULT_TARGET_UTILIZATION,
-                "spec.scaling.targetMemoryUtilization",
+            capacity_percent=_int(
+                s, "capacityPercent", DEFAULT_CAPACITY_PERCENT, "spec.scaling.capacityPercent"
             ),
         )
     sidecar = spec.get("sidecar") or {}

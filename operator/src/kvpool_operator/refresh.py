@@ -12,9 +12,10 @@ import kopf
 from kvpool_operator import conditions, events, names, objects, pods
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
 from kvpool_operator.kube import ApiError, Kube
+from kvpool_operator.objects import shard_maxmemory
 from kvpool_operator.pool import Pool, parse_pool, problems
 from kvpool_operator.reconcile import RETRY_DELAY, publish
-from kvpool_operator.scaling import desired_shards, shards_to_publish
+from kvpool_operator.scaling import demand_bytes, desired_shards, drained, shards_to_publish
 from kvpool_operator.settings import OperatorSettings
 
 
@@ -45,11 +46,12 @@ async def refresh(
         urls = [
             u for p in found if pods.injected_by(p, name) and pods.is_ready(p) and (u := pods.stats_url(p))
         ]
-        stats = pods.aggregate(await pods.scrape(urls, settings.scrape_timeout))
+        scraped = await pods.scrape(urls, settings.scrape_timeout)
+        stats = pods.aggregate(scraped)
         tier: tuple[int, int] | None = None
         shared: dict[str, Any] | None = None
         if pool.shared_tier:
-            shared = await scale(kube, pool, memo, now)
+            shared = await scale(kube, pool, memo, now, counts, scraped, len(urls))
             tier = (shared["replicas"], shared["readyReplicas"])
     except ApiError as e:
         raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
@@ -75,11 +77,22 @@ async def refresh(
             patch.status[key] = value
 
 
-async def scale(kube: Kube, pool: Pool, memo: Any, now: datetime.datetime) -> dict[str, Any]:
-    """Resizes the shared tier if its memory says so and publishes the shard list; returns sharedTier.
+async def scale(
+    kube: Kube,
+    pool: Pool,
+    memo: Any,
+    now: datetime.datetime,
+    counts: pods.PodCounts,
+    sidecars: list[dict[str, Any]],
+    expected: int,
+) -> dict[str, Any]:
+    """Resizes the shared tier to the pool's demand (its ready pods) and publishes the shard list;
+    returns sharedTier.
 
-    The time of the last change lives on the StatefulSet, written in the same patch as the count,
-    and read fresh every time: a pool's status seen by a timer may lag behind its last write.
+    `sidecars` are the /stats that answered of the `expected` ready pods' sidecars: a shard is stopped
+    only once all of them have stopped using it. The time of the last
+    change lives on the StatefulSet, written in the same patch as the count, and read fresh every
+    time: a pool's status seen by a timer may lag behind its last write.
     """
     assert pool.redis is not None
     settings: OperatorSettings = memo.settings
@@ -93,18 +106,27 @@ async def scale(kube: Kube, pool: Pool, memo: Any, now: datetime.datetime) -> di
     result: dict[str, Any] = {"lastScaleTime": last} if last else {}
 
     desired = pool.redis.replicas
+    why = ""
     if pool.scaling is not None:
         utilization = await memo.memory_source(pool, await _ready_shard_pods(kube, pool))
-        if utilization is not None:
+        if utilization is not None:  # shown, never acted on: an LRU cache is always full
             result["memoryUtilization"] = round(utilization)
+        demand, shard = demand_bytes(pool, counts.ready), shard_maxmemory(pool)
+        result["demandBytes"] = demand
         since = (now - datetime.datetime.fromisoformat(last)).total_seconds() if last else None
-        desired = desired_shards(running, utilization, pool.scaling, since, settings.scale_cooldown)
+        desired = desired_shards(running, demand, shard, pool.scaling, since, settings.scale_cooldown)
+        percent = pool.scaling.capacity_percent
+        why = f" ({counts.ready} pods x {pool.capacity} x {percent}%, {shard} bytes a shard)"
 
     cm_name = names.config_map_name(pool.name)
     published = objects.published_shards(await kube.get("ConfigMap", ns, cm_name))
     if desired < running:  # sidecars stop using the shards before they go away
-        await publish(kube, pool, desired)
-        published = desired
+        if published is None or published > desired:
+            await publish(kube, pool, desired)
+            published = desired
+        if not drained(sidecars, expected, desired):
+            result.update(replicas=running, readyReplicas=ready, publishedShards=published, draining=True)
+            return result
     if desired != running:
         stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
         change = {
@@ -113,9 +135,6 @@ async def scale(kube: Kube, pool: Pool, memo: Any, now: datetime.datetime) -> di
         }
         await kube.patch("StatefulSet", ns, name, change)
         result["lastScaleTime"] = stamp
-        why = ""
-        if pool.scaling is not None and "memoryUtilization" in result:
-            why = f" (memory {result['memoryUtilization']}% of target {pool.scaling.target_utilization}%)"
         await events.post(
             kube, pool, "Normal", "Scaled", f"shared Redis tier {running} -> {desired} shards{why}"
         )

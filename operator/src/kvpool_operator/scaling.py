@@ -1,8 +1,13 @@
 """Shard count of a pool's shared Redis tier: the decision (pure), and Redis's own memory figures.
 
+The tier is sized on demand: the arenas of the pool's ready pods together, times the pool's
+capacityPercent, in shards of their maxmemory. (Memory use says nothing: an LRU cache sits at
+maxmemory whether its chunks are wanted or not, so scaling on it only ever grew the tier.)
+
 Sidecars place keys on shards by rendezvous hashing, so a changed shard count moves about 1/N of
 the keys (they become misses, never errors). New shards are published to the sidecars only once
-they are ready; removed shards are unpublished before they stop.
+they are ready; a removed shard is unpublished first and stopped only once every sidecar has
+stopped using it (refresh.py).
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from typing import Any
 from kvpool_operator.names import MONITOR_USER, REDIS_PORT
 from kvpool_operator.pool import Pool, ScalingSpec
 
-TOLERANCE = 0.1  # no change while utilization is within 10% of the target (as the HPA does)
+SHRINK_BAND = 0.9  # shrink only when the demand fits the smaller tier with 10% to spare (no flapping)
 
-# (pool, its ready shard pods, the Redis password) -> mean memory utilization in percent, or None
+# (pool, its ready shard pods) -> mean memory utilization in percent, or None (for status only)
 MemorySource = Callable[[Pool, list[dict[str, Any]]], Awaitable[float | None]]
 
 
@@ -25,29 +30,41 @@ def clamp(n: int, scaling: ScalingSpec) -> int:
     return max(scaling.min_replicas, min(scaling.max_replicas, n))
 
 
+def demand_bytes(pool: Pool, ready_pods: int) -> int:
+    """What the pool's pods ask of the shared tier: their arenas together, times capacityPercent."""
+    assert pool.scaling is not None
+    return ready_pods * pool.capacity_bytes * pool.scaling.capacity_percent // 100
+
+
 def desired_shards(
     current: int,
-    utilization: float | None,
+    demand: int,
+    shard_bytes: int,
     scaling: ScalingSpec,
     since_last_change: float | None,
     cooldown: float,
 ) -> int:
-    """The shard count: proportional to utilization/target, within bounds, one change a cooldown.
-
-    A count outside [minReplicas, maxReplicas] (the bounds changed) is corrected at once.
-    """
+    """The shard count for `demand` bytes in shards of `shard_bytes`, within bounds. Up at once to what
+    the demand needs; down one shard at a time, once the demand fits the smaller tier with a band to
+    spare; either way one change a cooldown. A count outside the bounds is corrected at once."""
     bounded = clamp(current, scaling)
     if bounded != current:
         return bounded
-    if utilization is None:
+    if since_last_change is not None and since_last_change < cooldown:
         return current
-    ratio = utilization / scaling.target_utilization
-    if abs(ratio - 1.0) <= TOLERANCE:
-        return current
-    wanted = clamp(max(1, math.ceil(current * ratio)), scaling)
-    if wanted != current and since_last_change is not None and since_last_change < cooldown:
-        return current
-    return wanted
+    needed = clamp(math.ceil(demand / shard_bytes), scaling)
+    if needed > current:
+        return needed
+    if clamp(math.ceil(demand / (shard_bytes * SHRINK_BAND)), scaling) < current:
+        return current - 1
+    return current
+
+
+def drained(stats: list[dict[str, Any]], expected: int, shards: int) -> bool:
+    """Whether all `expected` sidecars answered and each uses at most `shards` shards (they re-read the
+    shard list from a ConfigMap file the kubelet refreshes a minute or more after it changes)."""
+    using = [((s.get("tiers") or {}).get("redis") or {}).get("shards") for s in stats]
+    return len(using) >= expected and all(isinstance(n, int) and n <= shards for n in using)
 
 
 def shards_to_publish(published: int | None, desired: int, ready: int) -> int:
