@@ -117,7 +117,10 @@ async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> tupl
     if published is not None and desired < published:  # sidecars stop using shards before they go
         await publish(kube, pool, desired)
         published = desired
-    sts = await kube.ensure("StatefulSet", ns, objects.redis_statefulset(pool, owner, desired))
+    # a smaller count is unpublished here, and the StatefulSet shrunk by refresh once every sidecar
+    # has stopped using the shards that go (refresh.scale)
+    replicas = max(desired, current or 0)
+    sts = await kube.ensure("StatefulSet", ns, objects.redis_statefulset(pool, owner, replicas))
     ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
     count = shards_to_publish(published, desired, ready)
     return objects.shard_urls(pool, count), (desired, ready)
