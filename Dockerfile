@@ -87,14 +87,17 @@ ENV PATH=/opt/vllm/bin:$PATH
 # module, python3 -m vllm.entrypoints.openai.api_server --model ...
 
 # ---- connector: your vLLM image plus kvpool's connector --------------------------------------------
-FROM ${VLLM_IMAGE} AS connector
-# The image runs as the user your vLLM image runs as (VLLM_USER, its USER; vLLM's own images run as
-# root): kvpool adds a package, never a different user or home.
-ARG VLLM_USER=root
+# Installed by your image's own Python (so xxhash's compiled part matches it) into /opt/kvpool, then
+# copied into your image unchanged otherwise: no USER line, so it runs as the user your image runs as.
+FROM ${VLLM_IMAGE} AS connector-files
+ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
 USER root
 COPY --from=wheels /wheels/ /tmp/wheels/
 # The connector needs the sidecar's client (stdlib + xxhash), not the sidecar's server dependencies.
-RUN python3 -m pip install --no-cache-dir --no-deps /tmp/wheels/kvpool_connector-*.whl \
-        /tmp/wheels/kvpool_sidecar-*.whl xxhash==4.1.0 \
-    && rm -rf /tmp/wheels
-USER ${VLLM_USER}
+RUN python3 -m pip install --no-cache-dir --no-deps --target /opt/kvpool \
+        /tmp/wheels/kvpool_connector-*.whl /tmp/wheels/kvpool_sidecar-*.whl xxhash==4.1.0 \
+    && chmod -R a+rX /opt/kvpool
+
+FROM ${VLLM_IMAGE} AS connector
+COPY --from=connector-files /opt/kvpool /opt/kvpool
+ENV PYTHONPATH=/opt/kvpool${PYTHONPATH:+:${PYTHONPATH}}

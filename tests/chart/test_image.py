@@ -15,7 +15,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,7 +37,9 @@ def podman(*args: str, check: bool = True, timeout: float = 600) -> subprocess.C
 
 
 @pytest.fixture(scope="module")
-def sidecar_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., str]]:
+    """Builds a target of the project's Dockerfile (PYTHON_IMAGE the Debian-made base, pip from a
+    wheelhouse of the pinned requirements); returns its tag. Images are removed afterwards."""
     need(shutil.which("podman") is not None, "podman (apt-get install podman)")
     old_conf = os.environ.get("CONTAINERS_CONF")
     os.environ["CONTAINERS_CONF"] = str(
@@ -70,30 +72,29 @@ def sidecar_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         text=True,
     )
     assert download.returncode == 0, download.stderr
+    tags: list[str] = []
 
-    tag = f"localhost/kvpool-sidecar:test-{os.getpid()}"
-    podman(
-        "build",
-        "--target",
-        "sidecar",
-        "--tag",
-        tag,
-        "--build-arg",
-        f"PYTHON_IMAGE={BASE_IMAGE}",
-        "--build-arg",
-        "PIP_NO_INDEX=1",
-        "--build-arg",
-        "PIP_FIND_LINKS=/wheelhouse",
-        "--volume",
-        f"{wheelhouse}:/wheelhouse:ro",
-        str(REPO),
-    )
-    yield tag
-    podman("rmi", "--force", tag, check=False)
+    def image(target: str, *build_args: str) -> str:
+        tag = f"localhost/kvpool-{target}:test-{os.getpid()}"
+        args = [a for b in build_args for a in ("--build-arg", b)]
+        podman("build", "--target", target, "--tag", tag, "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
+               "--build-arg", "PIP_NO_INDEX=1", "--build-arg", "PIP_FIND_LINKS=/wheelhouse", *args,
+               "--volume", f"{wheelhouse}:/wheelhouse:ro", str(REPO))  # fmt: skip
+        tags.append(tag)
+        return tag
+
+    yield image
+    for tag in tags:
+        podman("rmi", "--force", tag, check=False)
     if old_conf is None:
         os.environ.pop("CONTAINERS_CONF", None)
     else:
         os.environ["CONTAINERS_CONF"] = old_conf
+
+
+@pytest.fixture(scope="module")
+def sidecar_image(build: Callable[..., str]) -> str:
+    return build("sidecar")
 
 
 @pytest.fixture
@@ -158,3 +159,21 @@ def test_sidecar_image_is_non_root_and_lean(sidecar_image: str) -> None:
         "run", "--rm", "--entrypoint", "python3", sidecar_image, "-c", probe, *FORBIDDEN_IN_SIDECAR
     )
     assert found.stdout.strip() == "[]"
+
+
+def test_the_connector_image_keeps_the_vllm_images_user(build: Callable[..., str], tmp_path: Path) -> None:
+    """A vLLM image that runs as uid 4321 (its Python in a venv, as vLLM's images have theirs): the
+    connector image built on it runs as 4321 too, with nothing to pass, and imports the connector."""
+    vllm = f"localhost/kvpool-test-vllm:{os.getpid()}"
+    (tmp_path / "Containerfile").write_text(
+        f"FROM {BASE_IMAGE}\nRUN python3 -m venv /opt/vllm\nENV PATH=/opt/vllm/bin:$PATH\nUSER 4321\n"
+    )
+    podman("build", "--tag", vllm, str(tmp_path))
+    try:
+        connector = build("connector", f"VLLM_IMAGE={vllm}")
+        (config,) = json.loads(podman("image", "inspect", connector).stdout)
+        assert config["Config"]["User"] == "4321"
+        probe = "import os, kvpool_connector, kvpool_sidecar.client, xxhash; print(os.getuid())"
+        assert podman("run", "--rm", connector, "python3", "-c", probe).stdout.strip() == "4321"
+    finally:
+        podman("rmi", "--force", vllm, check=False)
