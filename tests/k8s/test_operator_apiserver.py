@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from controlplane import ControlPlane, condition, get_json
+from kubelet import CUSTOM_STATUS
 from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until
 from operatorkit import (
     RELEASE,
@@ -419,6 +420,49 @@ def test_a_call_the_api_server_refuses_degrades_the_pool_instead_of_retrying(ope
 
 
 QUOTA_NAMESPACE = "vllm-quota"
+
+
+def test_a_sidecar_that_cannot_start_opens_a_breaker_so_new_pods_start_without_it(operator: tuple) -> None:
+    """A native sidecar whose image does not pull holds vLLM back for good. Once the kubelet reports
+    that for a pod, the pool says so and new pods start without the cache; a new image closes it."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-stuck")
+    apply(cp, cpu_pool(ns, sidecar={"image": "registry.invalid/kvpool/sidecar:missing"}))
+    wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    stuck = bare_pod(ns, "stuck", container("vllm", **VLLM))
+    stuck["metadata"]["annotations"] = CUSTOM_STATUS  # kwok leaves its status to the test, as kubelet
+    apply(cp, stuck)
+    assert not untouched(get_json(cp, "-n", ns, "pod", "stuck"))
+    waiting = {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}
+    kubelet_says = {"phase": "Pending", "initContainerStatuses": [
+        {"name": "kvpool-sidecar", "image": "registry.invalid/kvpool/sidecar:missing", "imageID": "",
+         "ready": False, "started": False, "restartCount": 0, "state": {"waiting": waiting}}]}  # fmt: skip
+    cp.kubectl("-n", ns, "patch", "pod", "stuck", "--subresource=status", "--type=merge",
+               "-p", json.dumps({"status": kubelet_says}))  # fmt: skip
+    breaker = wait_until(lambda: pool_status(cp, ns, "llama").get("sidecarNotStarting"), 60, "the breaker")
+    assert breaker["pods"] == 1 and breaker["reason"].startswith("ImagePullBackOff")
+    status = pool_status(cp, ns, "llama")
+    (degraded,) = [c for c in status["conditions"] if c["type"] == "Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "SidecarNotStarting"
+
+    def admitted_as(name: str) -> dict[str, Any]:  # the server runs the webhook on a dry run too
+        doc = json.dumps(bare_pod(ns, name, container("vllm", **VLLM)))
+        return json.loads(cp.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", stdin=doc))
+
+    skipped = wait_until(
+        lambda: (p := admitted_as("next"))["metadata"].get("annotations", {}).get("kvpool.dev/skipped") and p,
+        60,
+        "new pods admitted without the cache",
+    )
+    assert skipped["metadata"]["annotations"]["kvpool.dev/skipped"].startswith("SidecarNotStarting: ")
+    assert untouched(skipped)
+    events = get_json(cp, "-n", ns, "events", "--field-selector", "reason=SidecarNotStarting")["items"]
+    assert [e["involvedObject"]["name"] for e in events] == ["llama"]
+
+    cp.kubectl("-n", ns, "patch", "kvp", "llama", "--type=merge",
+               "-p", json.dumps({"spec": {"sidecar": {"image": "kvpool/sidecar:fixed"}}}))  # fmt: skip
+    wait_until(lambda: "sidecarNotStarting" not in pool_status(cp, ns, "llama"), 60, "the breaker closed")
+    wait_until(lambda: not untouched(admitted_as("again")), 60, "new pods injected again")
 
 
 # --- the shared Redis tier -------------------------------------------------------------------------

@@ -3,12 +3,14 @@ resources: the pure decisions. The API-server tier (tests/k8s) shows the server 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 
 from kvpool_operator.injection import decide
+from kvpool_operator.pods import sidecar_stuck
 from kvpool_operator.pool import parse_pool, problems
 from kvpool_operator.resources import guaranteed, resource_problems, sidecar_resources
 from kvpool_operator.settings import OperatorSettings
@@ -159,3 +161,24 @@ def test_the_pools_pull_secrets_join_the_pods_own_once() -> None:
     assert twice is not None and twice["spec"]["imagePullSecrets"] == once["spec"]["imagePullSecrets"]
     plain = decide(pod(c("a", command=["vllm", "serve"])), "ns", [_pool()], OperatorSettings()).pod
     assert plain is not None and "imagePullSecrets" not in plain["spec"]
+
+
+def test_an_open_sidecar_breaker_admits_new_pods_without_the_cache() -> None:
+    pool = dataclasses.replace(_pool(), sidecar_not_starting="ImagePullBackOff: Back-off pulling image")
+    decision = decide(pod(c("a", command=["vllm", "serve"])), "ns", [pool], OperatorSettings())
+    assert decision.pod is not None and "initContainers" not in decision.pod["spec"]
+    assert decision.pod["metadata"]["annotations"]["kvpool.dev/skipped"].startswith("SidecarNotStarting: ")
+
+
+@pytest.mark.parametrize(
+    ("state", "stuck"),
+    [
+        ({"waiting": {"reason": "ImagePullBackOff", "message": "Back-off"}}, "ImagePullBackOff: Back-off"),
+        ({"waiting": {"reason": "CrashLoopBackOff"}}, "CrashLoopBackOff"),
+        ({"waiting": {"reason": "ContainerCreating"}}, None),  # on its way
+        ({"running": {}}, None),
+    ],
+)
+def test_a_stuck_sidecar_is_read_from_the_kubelets_status(state: dict, stuck: str | None) -> None:
+    p = {"status": {"initContainerStatuses": [{"name": "kvpool-sidecar", "state": state}]}}
+    assert sidecar_stuck(p) == stuck

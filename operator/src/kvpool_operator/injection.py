@@ -62,6 +62,12 @@ def _configurable(pod: Mapping[str, Any], claiming: list[Pool]) -> int | Skip:
     wrong = problems(pool)
     if wrong:
         return Skip("PoolNotUsable", f"pool {pool.name} is not usable ({'; '.join(wrong)})")
+    if pool.sidecar_not_starting:
+        return Skip(
+            "SidecarNotStarting",
+            f"pool {pool.name}'s sidecar does not start in its pods ({pool.sidecar_not_starting}); new pods "
+            "start without it until the pool changes",
+        )
     if (pod.get("spec") or {}).get("hostNetwork"):
         return Skip(
             "HostNetwork",

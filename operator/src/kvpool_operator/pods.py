@@ -31,6 +31,41 @@ def opted_out(pod: Mapping[str, Any]) -> bool:
     ).get(names.INJECT_ANNOTATION) == "false"
 
 
+# what the kubelet reports for a container that will not start without someone changing something
+STUCK_REASONS = frozenset({
+    "ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CrashLoopBackOff",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+})  # fmt: skip
+
+
+def sidecar_stuck(pod: Mapping[str, Any]) -> str | None:
+    """`Reason: message` when the pod's kvpool sidecar waits for good (its image does not pull, it
+    crashes at start): as a native sidecar it holds vLLM back, since vLLM starts after it."""
+    status = pod.get("status") or {}
+    for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        waiting = (c.get("state") or {}).get("waiting") or {}
+        if c.get("name") == names.SIDECAR_CONTAINER and waiting.get("reason") in STUCK_REASONS:
+            return f"{waiting['reason']}: {waiting.get('message') or ''}".strip().rstrip(":")
+    return None
+
+
+def sidecar_image(pod: Mapping[str, Any]) -> str | None:
+    spec = pod.get("spec") or {}
+    for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        if c.get("name") == names.SIDECAR_CONTAINER:
+            return c.get("image")
+    return None
+
+
+def not_starting(pool_object: Mapping[str, Any]) -> str | None:
+    """The pool's open sidecar breaker (status.sidecarNotStarting), while its spec is unchanged."""
+    found = (pool_object.get("status") or {}).get("sidecarNotStarting") or {}
+    generation = (pool_object.get("metadata") or {}).get("generation")
+    if found and found.get("observedGeneration") == generation:
+        return str(found.get("reason") or "the sidecar does not start")
+    return None
+
+
 def injected_by(pod: Mapping[str, Any], pool_name: str) -> bool:
     return (pod.get("metadata", {}).get("labels") or {}).get(names.POOL_LABEL) == pool_name
 

@@ -61,6 +61,7 @@ class Pool:
     sidecar_resources: Mapping[str, Any] | None = None
     vllm_container: str | None = None
     uid: str | None = None  # the pool object's uid, for events about it
+    sidecar_not_starting: str | None = None  # from status: why its pods' sidecars do not start
 
     @property
     def key(self) -> str:

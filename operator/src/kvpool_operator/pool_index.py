@@ -9,11 +9,13 @@ listed, and the operator's readiness endpoint reports it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Iterable
 from typing import Any
 
 from kvpool_operator.kube import ApiError, Kube
+from kvpool_operator.pods import not_starting
 from kvpool_operator.pool import Pool, parse_pool
 
 RETRY_DELAY = 2.0  # seconds before a failed list or watch is tried again
@@ -72,7 +74,8 @@ class PoolIndex:
         if kind not in ("ADDED", "MODIFIED"):
             return  # BOOKMARK
         try:
-            pools[name] = parse_pool(namespace, name, obj.get("spec") or {}, meta.get("uid"))
+            pool = parse_pool(namespace, name, obj.get("spec") or {}, meta.get("uid"))
+            pools[name] = dataclasses.replace(pool, sidecar_not_starting=not_starting(obj))
         except ValueError as e:
             pools.pop(name, None)
             log.warning("pool %s/%s not usable: %s", namespace, name, e)

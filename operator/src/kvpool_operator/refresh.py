@@ -57,6 +57,14 @@ async def refresh(
         raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
 
     ready, degraded = conditions.assess([], tier)
+    image = pool.sidecar_image or settings.sidecar_image
+    breaker = await sidecar_breaker(kube, pool, image, found, status, meta.get("generation"))
+    if breaker is not None:
+        message = (
+            f"the sidecar does not start in {breaker['pods']} pod(s) ({breaker['reason']}): new pods "
+            "start without it until the pool changes"
+        )
+        degraded = conditions.Condition("Degraded", True, "SidecarNotStarting", message)
     found_status = {
         "matchedPods": counts.matched,
         "readyPods": counts.ready,
@@ -65,6 +73,7 @@ async def refresh(
         "skippedPods": counts.skipped,
         "skipReasons": counts.skip_reasons,
         "stats": stats,
+        "sidecarNotStarting": breaker,
         "conditions": conditions.merge(
             status.get("conditions") or [], [ready, degraded], meta.get("generation"), now
         ),
@@ -75,6 +84,32 @@ async def refresh(
     for key, value in found_status.items():
         if status.get(key) != value:
             patch.status[key] = value
+
+
+async def sidecar_breaker(
+    kube: Kube,
+    pool: Pool,
+    image: str,
+    found: list[dict[str, Any]],
+    status: Mapping[str, Any],
+    generation: Any,
+) -> dict[str, Any] | None:
+    """status.sidecarNotStarting: open once a pod's kvpool sidecar of the current `image` waits for good
+    (the image does not pull, it crashes at start), which as a native sidecar keeps vLLM from starting;
+    while open the webhook admits new pods without the cache. It closes when the pool's spec changes
+    (a new image): pods still stuck on an older image do not open it again."""
+    stuck = [
+        r
+        for p in found
+        if pods.injected_by(p, pool.name) and pods.sidecar_image(p) == image and (r := pods.sidecar_stuck(p))
+    ]
+    previous = status.get("sidecarNotStarting") or {}
+    still_open = previous.get("observedGeneration") == generation
+    if not stuck:
+        return dict(previous) if still_open else None
+    if not still_open:
+        await events.post(kube, pool, "Warning", "SidecarNotStarting", f"{len(stuck)} pod(s): {stuck[0]}")
+    return {"pods": len(stuck), "reason": stuck[0], "observedGeneration": generation}
 
 
 async def scale(
