@@ -11,6 +11,7 @@ operator (fail-open).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -501,15 +502,23 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_and_drains_before_a_sh
     (container,) = get_json(cp, "-n", ns, "statefulset", tier)["spec"]["template"]["spec"]["containers"]
     args = [a.replace("$(REDIS_PASSWORD)", password) for a in container["args"]]
     shared = lambda: pool_status(cp, ns, "cache").get("sharedTier") or {}  # noqa: E731
-    with redis_with(*args, password=password, port=REDIS_PORT, host=shard["status"]["podIP"]):
-        wait_until(lambda: shared().get("memoryUtilization") is not None, 60, "the shard's memory, read")
+    shard_servers = contextlib.ExitStack()  # a real redis-server behind each shard pod's address
 
-    apply(cp, {**restricted_deployment(ns, replicas=2), "metadata": {"name": "vllm", "namespace": ns}})
-    wait_until(lambda: all_ready(pods_of(cp, ns), 2), 90, "two vLLM pods")
-    wait_until(lambda: shared().get("publishedShards") == 2, 90, "two shards, both published")
-    assert shared()["demandBytes"] == 2 * 16 * 2**20
+    def serve(pod: dict[str, Any]) -> None:
+        ip = pod["status"]["podIP"]
+        shard_servers.enter_context(redis_with(*args, password=password, port=REDIS_PORT, host=ip))
+
     sidecars: dict[str, tuple[Proc, Path]] = {}
     try:
+        serve(shard)
+        wait_until(lambda: shared().get("memoryUtilization") is not None, 60, "the shard's memory, read")
+        apply(cp, {**restricted_deployment(ns, replicas=2), "metadata": {"name": "vllm", "namespace": ns}})
+        wait_until(lambda: all_ready(pods_of(cp, ns), 2), 90, "two vLLM pods")
+        wait_until(lambda: shared().get("publishedShards") == 2, 90, "two shards, both published")
+        assert shared()["demandBytes"] == 2 * 16 * 2**20
+        (second,) = [p for p in pods_of(cp, ns, "app.kubernetes.io/component=redis,kvpool.dev/pool=cache")
+                     if p["metadata"]["name"] != shard["metadata"]["name"]]  # fmt: skip
+        serve(second)
         for pod in pods_of(cp, ns):  # each pod's real sidecar, reading its shard list from a file
             urls = tmp_path / pod["metadata"]["name"] / "redis-urls"
             urls.parent.mkdir()
@@ -540,6 +549,7 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_and_drains_before_a_sh
     finally:
         for proc, _ in sidecars.values():
             proc.stop()
+        shard_servers.close()
     cp.kubectl("-n", ns, "delete", "kvp", "cache", "--wait=true", "--timeout=60s")
 
     def collected() -> bool:  # by the controller manager's garbage collector, from the ownerReferences
