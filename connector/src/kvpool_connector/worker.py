@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import logging
 import os
 import time
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -134,12 +132,10 @@ class KVPoolWorker:
     def _arena_path(self) -> str:
         if self.cfg.shm_path:
             return os.path.join(self.cfg.shm_path, "arena")
-        url = self.cfg.sidecar_url.rstrip("/") + "/v1/arena"
         try:
-            with urllib.request.urlopen(url, timeout=self.cfg.timeout_ms / 1000) as r:
-                return str(json.loads(r.read())["path"])
-        except (OSError, ValueError, KeyError) as e:
-            raise SidecarError(f"GET {url}: {e!r}") from e
+            return str(self.client.arena_info()["path"])
+        except KeyError as e:
+            raise SidecarError(f"GET /v1/arena named no path: {e!r}") from e
 
     # --- loads (asynchronous) ----------------------------------------------------------------------
 

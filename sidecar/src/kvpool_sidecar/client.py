@@ -346,7 +346,7 @@ class SidecarClient:
     def _arena_file(self) -> str:
         if self._shm_path is not None:
             return os.path.join(self._shm_path, ARENA_FILE)
-        return str(self._json("GET", "/v1/arena")["path"])
+        return str(self.arena_info()["path"])
 
     def reserve(
         self, items: Sequence[tuple[str, int]], priority: int = 0, groups: Mapping[str, str] | None = None
