@@ -177,7 +177,7 @@ def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bo
     probe_port = pool.status_port
     container: dict[str, Any] = {
         "name": names.SIDECAR_CONTAINER,
-        "image": pool.sidecar_image or settings.sidecar_image,
+        "image": sidecar_image(pool, settings),
         "args": args,
         "ports": [{"name": "kvpool-status", "containerPort": probe_port, "protocol": "TCP"}],
         "volumeMounts": mounts,
@@ -201,6 +201,11 @@ def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bo
     if not settings.legacy_sidecar:
         container["restartPolicy"] = "Always"
     return container
+
+
+def sidecar_image(pool: Pool, settings: OperatorSettings) -> str:
+    """The image the pool's sidecars run: the pool's own, else the operator's."""
+    return pool.sidecar_image or settings.sidecar_image
 
 
 def password_secret(pool: Pool) -> tuple[str, str] | None:

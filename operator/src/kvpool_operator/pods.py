@@ -81,11 +81,12 @@ def count(pods: Iterable[Mapping[str, Any]], pool_name: str, current_hash: str) 
     live = [p for p in pods if not opted_out(p) and not p.get("metadata", {}).get("deletionTimestamp")]
     injected = [p for p in live if injected_by(p, pool_name)]
     ready = [p for p in injected if is_ready(p)]
-    reasons = Counter(r for p in live if (r := skip_reason(p)) is not None)
+    skipped = {i: r for i, p in enumerate(live) if (r := skip_reason(p)) is not None}
+    reasons = Counter(skipped.values())
     outdated = [
         p
-        for p in live
-        if skip_reason(p) is None
+        for i, p in enumerate(live)
+        if i not in skipped
         and (p["metadata"].get("annotations") or {}).get(names.CONFIG_HASH_ANNOTATION) != current_hash
     ]
     return PodCounts(
@@ -93,7 +94,7 @@ def count(pods: Iterable[Mapping[str, Any]], pool_name: str, current_hash: str) 
         ready=len(ready),
         outdated=len(outdated),
         injected=len(injected),
-        skipped=sum(reasons.values()),
+        skipped=len(skipped),
         skip_reasons=dict(sorted(reasons.items())),
     )
 

@@ -11,6 +11,7 @@ import kopf
 
 from kvpool_operator import conditions, events, names, objects, pods
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
+from kvpool_operator.injection import sidecar_image
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.objects import shard_maxmemory
 from kvpool_operator.pool import Pool, parse_pool, problems
@@ -57,7 +58,7 @@ async def refresh(
         raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
 
     ready, degraded = conditions.assess([], tier)
-    image = pool.sidecar_image or settings.sidecar_image
+    image = sidecar_image(pool, settings)
     breaker = await sidecar_breaker(kube, pool, image, found, status, meta.get("generation"))
     if breaker is not None:
         message = (
@@ -125,9 +126,9 @@ async def scale(
     returns sharedTier.
 
     `sidecars` are the /stats that answered of the `expected` ready pods' sidecars: a shard is stopped
-    only once all of them have stopped using it. The time of the last
-    change lives on the StatefulSet, written in the same patch as the count, and read fresh every
-    time: a pool's status seen by a timer may lag behind its last write.
+    only once all of them have stopped using it. The time of the last change lives on the
+    StatefulSet, written in the same patch as the count, and read fresh every time: a pool's status
+    seen by a timer may lag behind its last write.
     """
     assert pool.redis is not None
     settings: OperatorSettings = memo.settings
