@@ -17,6 +17,7 @@ from schedkit import (  # noqa: E402
     model_output,
     prompt,
     run_to_end,
+    save_like_a_worker,
     saves_of,
     store_chunks,
 )
@@ -168,4 +169,35 @@ def test_priority_limit_and_skip_save_in_the_scheduler(tiny_model, sidecar) -> N
         s.add_request(r)
     saves = saves_of(run_to_end(s))
     assert {sv.req_id for sv in saves} == {at_limit.request_id}
+    assert_empty(s)
+
+
+def test_a_longer_next_round_reuses_the_saved_tail_block_by_block(tiny_model, sidecar) -> None:
+    """Round 2 of a conversation is round 1's prompt and more: its chunk where round 1's partial tail
+    was has another key, so the tail is found as a shorter span of that chunk and loaded."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    round1 = prompt(90, 5)  # chunks [0,32) [32,64) and the tail [64,80) (80..90 is under a block)
+    s.add_request(make_request(round1))
+    save_like_a_worker(client, run_to_end(s))
+    round2 = round1 + prompt(40, 6)  # 130 tokens: [64,96) is a full chunk now, with another key
+    s.add_request(make_request(round2))
+    outputs = run_to_end(s)
+    assert first_computed(outputs) == 80  # not 64: the tail's block came back too
+    (load,) = loads_of(outputs)
+    assert [(op.chunk_blocks, len(op.block_ids)) for op in load.chunks] == [(2, 2), (2, 2), (1, 1)]
+    saved = [(op.first_block, op.chunk_blocks) for sv in saves_of(outputs) for op in sv.chunks]
+    assert saved == [(0, 2), (0, 2)]  # [64,96) whole and the new tail [96,128): chunking stays
+    assert_empty(s)
+
+
+def test_a_tail_is_not_reused_when_the_next_prompt_differs_inside_it(tiny_model, sidecar) -> None:
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    round1 = prompt(90, 5)
+    s.add_request(make_request(round1))
+    save_like_a_worker(client, run_to_end(s))
+    other = round1[:70] + [t + 1 for t in round1[70:80]] + prompt(50, 6)  # differs inside [64,80)
+    s.add_request(make_request(other))
+    assert first_computed(run_to_end(s)) == 64
     assert_empty(s)

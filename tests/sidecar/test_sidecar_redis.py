@@ -220,3 +220,24 @@ def test_a_pod_that_must_authenticate_and_has_no_key_keeps_redis_off(sidecar_fac
     save(c, {key(1, "nokey"): b"n" * 4096})  # the CPU tier serves on
     assert load(c, [key(1, "nokey")]) == {key(1, "nokey"): b"n" * 4096}
     assert b":0" in redis_call(redis.port, "DBSIZE")
+
+
+def test_first_whole_group_found_in_the_cpu_tier_or_through_redis(sidecar_factory, redis) -> None:
+    """The scheduler's probe for a shorter saved tail: the first group whose keys are all loadable,
+    from this pod's CPU tier or another pod's writes in Redis; a group with one key missing is not."""
+    a, b = sidecar_factory("64Mi", [redis.url]), sidecar_factory("64Mi", [redis.url])
+    ca, cb = client(a), client(b)
+    chunks = {key(i): payload(1000, i) for i in range(3)}
+    k0, k1, k2 = list(chunks)
+    save(ca, chunks)
+    wait_until(lambda: redis_stats(ca)["written"] == 3, 30, "write-behind of 3 chunks")
+    missing = key(50)
+    for c in (ca, cb):  # a from its arena, b through Redis
+        assert c.first_whole([[missing], [k0, missing], [k1, k2], [k0]]) == 2
+        assert c.first_whole([[missing], [k2, missing]]) is None
+    assert ca.first_whole([]) is None
+    # over HTTP too: the lookup's alternatives are only tried when every key was found
+    body = json.dumps({"keys": [missing], "alternatives": [[k0]]}).encode()
+    req = urllib.request.Request(a.info["url"] + "/v1/lookup", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.loads(r.read()) == {"hits": 0, "alternative": None}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,6 +12,7 @@ from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarTimeout
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig
 from .keys import Extras, Namespace, chain, rank_key
+from .logs import connector_logger
 from .metrics import KVPoolStats
 from .ratelimit import RateLimitedLog
 from .request_inputs import Unkeyable, request_extras
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+log = connector_logger(__name__)
 SKIP_SAVE_PARAM = "kvpool.skip_save"
 # After a lookup times out (the sidecar hung), lookups are misses without asking for this long: a
 # lookup runs inside vLLM's schedule(), so each one that waits out its timeout stalls every request.
@@ -130,6 +130,9 @@ class KVPoolScheduler:
         self.stats.add("lookups")
         try:
             hits = self.client.lookup(keys) // self.ranks
+            hit_spans = spans[: max(0, min(hits, len(spans)))]
+            if hits < len(spans) and (tail := self._saved_tail(st, spans[hits], num_computed_tokens, limit)):
+                hit_spans.append(tail)
         except SidecarTimeout as e:
             self.stats.add("lookup_errors")
             self._breaker_until = self._clock() + BREAKER_SECONDS
@@ -139,7 +142,6 @@ class KVPoolScheduler:
             self.stats.add("lookup_errors")
             self._warn.warning("lookup", "kvpool lookup failed, treating as a miss: %s", e)
             return 0, False
-        hit_spans = spans[: max(0, min(hits, len(spans)))]
         end = min(hit_spans[-1][1], limit) if hit_spans else 0
         if end <= num_computed_tokens:
             return 0, False
@@ -147,6 +149,18 @@ class KVPoolScheduler:
         # Loaded asynchronously: the request computes nothing until every rank has loaded and
         # checked its chunks, and vLLM has taken back the blocks that failed (see worker.py).
         return end - num_computed_tokens, True
+
+    def _saved_tail(self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int) -> Span | None:
+        """The longest shorter span at the start of the first missed chunk that an earlier prompt
+        saved as its partial tail (block-granular reuse: the next round of a conversation is longer
+        than the last, so its chunk there has another key), if it would load anything. One lookup."""
+        bs = self.block_size
+        ends = [e for e in range(missed[1] - bs, missed[0], -bs) if min(e, limit) > num_computed_tokens]
+        candidates = [(missed[0], e) for e in ends]
+        if not candidates or (links := self._links(st, candidates)) is None:
+            return None
+        found = self.client.first_whole([[rank_key(link, r) for r in range(self.ranks)] for link in links])
+        return None if found is None else candidates[found]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -278,6 +278,14 @@ class SidecarClient:
             return 0
         return int(self._control("lookup", {"keys": list(keys)})["hits"])
 
+    def first_whole(self, groups: Sequence[Sequence[str]]) -> int | None:
+        """The index of the first of `groups` whose keys can all be loaded now, or None."""
+        if not groups:
+            return None
+        answer = self._control("lookup", {"keys": [], "alternatives": [list(g) for g in groups]})
+        found = answer.get("alternative")
+        return None if found is None else int(found)
+
     def put(self, key: str, data: bytes | bytearray | memoryview, priority: int = 0) -> bool:
         """True when stored or already there; False when there is no room even after eviction (507)."""
         headers = {"Content-Type": "application/octet-stream", "X-KVPool-Priority": str(int(priority))}

@@ -17,7 +17,10 @@ class TooLarge(ValueError):
 
 
 def lookup(store: Store, req: s.LookupRequest) -> s.LookupResponse:
-    return s.LookupResponse(hits=store.lookup(req.keys))
+    hits = store.lookup(req.keys)
+    if hits < len(req.keys) or not req.alternatives:
+        return s.LookupResponse(hits=hits)
+    return s.LookupResponse(hits=hits, alternative=store.first_whole(req.alternatives))
 
 
 def reserve(store: Store, req: s.ReserveRequest, max_chunk_bytes: int) -> s.ReserveResponse:
@@ -84,7 +87,8 @@ def _always(store: Store, req: Any) -> bool:
 
 
 def _asks_redis(store: Store, req: s.LookupRequest) -> bool:
-    return len(req.keys) > BIG_BATCH or store.needs_lower(req.keys)
+    keys = [*req.keys, *(k for group in req.alternatives for k in group)]
+    return len(keys) > BIG_BATCH or store.needs_lower(keys)
 
 
 BIG_BATCH = 256  # a batch longer than this runs off the event loop: the loop keeps answering lookups

@@ -20,10 +20,17 @@ class _Strict(BaseModel):
 
 class LookupRequest(_Strict):
     keys: list[Key] = Field(max_length=MAX_BATCH)
+    alternatives: list[Annotated[list[Key], Field(max_length=MAX_BATCH)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="key groups tried, in order, when every key was found: the answer names the first "
+        "group whose keys can all be loaded now (a shorter tail chunk saved by an earlier prompt)",
+    )
 
 
 class LookupResponse(BaseModel):
     hits: int
+    alternative: int | None = None
 
 
 class ReserveItem(_Strict):

@@ -311,6 +311,26 @@ class Store:
             self.counters.misses += len(keys) - n
         return n
 
+    def first_whole(self, groups: Sequence[Sequence[str]]) -> int | None:
+        """The index of the first of `groups` whose keys can all be loaded now (its chunks in the CPU
+        tier count as used now), or None. One round trip to the lower tier for all of them."""
+        keys = list(dict.fromkeys(k for group in groups for k in group))
+        with self._lock:
+            here = {k for k in keys if self.index.stored(k) is not None}
+        missing = [k for k in keys if k not in here]
+        lower = self.lower
+        if missing and lower is not None and lower.usable():
+            here.update(k for k, found in zip(missing, lower.exists_many(missing), strict=True) if found)
+        for i, group in enumerate(groups):
+            if all(k in here for k in group):
+                with self._lock:
+                    for k in group:
+                        if (e := self.index.stored(k)) is not None:
+                            self.index.touch(e)
+                    self.counters.hits += len(group)
+                return i
+        return None
+
     # --- whole-chunk operations (HTTP octet-stream, tools) ----------------------------------------
 
     def put(self, key: str, data: bytes | bytearray | memoryview, priority: int = 0) -> PutResult:
