@@ -11,7 +11,6 @@ mapped beside the old one; old mappings stay until shutdown, when nothing copies
 from __future__ import annotations
 
 import contextlib
-import logging
 import mmap
 import os
 import threading
@@ -23,7 +22,9 @@ import torch
 from kvpool_sidecar.client import SidecarUnavailable
 from kvpool_sidecar.wire import arena_epoch, map_populated
 
-log = logging.getLogger(__name__)
+from .logs import connector_logger
+
+log = connector_logger(__name__)
 
 
 class ArenaChanged(SidecarUnavailable):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .common import KVPoolMetadata
 from .config import load_config
+from .logs import connector_logger
 from .metrics import KVPoolStats, build_stats
 from .namespace import engine_namespace, layer_names, stored_group
 from .scheduler import KVPoolScheduler
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+log = connector_logger(__name__)
 
 
 def _worker_rank(tp_size: int) -> int:

@@ -12,15 +12,16 @@ is not seen: deployers who do that pin `model_fingerprint` in the connector conf
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .logs import connector_logger
+
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
 
-log = logging.getLogger(__name__)
+log = connector_logger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".msgpack", ".h5", ".npz")
 WINDOWS = 16

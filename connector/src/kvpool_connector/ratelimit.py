@@ -1,4 +1,4 @@
-"""Warnings that a failing cache would otherwise repeat on every engine step."""
+"""Warnings (and caught errors) that a failing cache would otherwise repeat on every engine step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any
 
 
 class RateLimitedLog:
-    """One warning per kind per `interval` seconds; the next one says how many were held back."""
+    """One message per kind per `interval` seconds; the next one says how many were held back. A line
+    names the caller's file and line, not this one's."""
 
     def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
         self._log = logger
@@ -19,6 +20,13 @@ class RateLimitedLog:
         self._lock = threading.Lock()
 
     def warning(self, kind: str, msg: str, *args: Any) -> None:
+        self._emit(kind, logging.WARNING, msg, args, exc_info=False)
+
+    def exception(self, kind: str, msg: str, *args: Any) -> None:
+        """An error with the traceback being handled (a bug caught so that a request only recomputes)."""
+        self._emit(kind, logging.ERROR, msg, args, exc_info=True)
+
+    def _emit(self, kind: str, level: int, msg: str, args: tuple[Any, ...], exc_info: bool) -> None:
         now = time.monotonic()
         with self._lock:
             if now - self._last.get(kind, -self._interval) < self._interval:
@@ -29,4 +37,4 @@ class RateLimitedLog:
         if held:
             msg += " (and %d more like it since the last report)"
             args = (*args, held)
-        self._log.warning(msg, *args)
+        self._log.log(level, msg, *args, exc_info=exc_info, stacklevel=3)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,11 +32,12 @@ from .chunk_io import ChunkIO
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig
 from .keys import rank_key
+from .logs import connector_logger
 from .metrics import KVPoolStats
 from .paged import PagedLayer
 from .ratelimit import RateLimitedLog
 
-log = logging.getLogger(__name__)
+log = connector_logger(__name__)
 IDLE_WAIT_SECONDS = 0.02  # the longest an idle step waits for a load (new requests wait that long)
 
 
@@ -165,7 +165,7 @@ class KVPoolWorker:
             self._warn.warning("load", "kvpool: load of %s failed, vLLM recomputes it: %s", spec.req_id, e)
         except Exception:  # a bug: still only a recompute, never a failed request
             out.errors += 1
-            log.exception("kvpool: load of %s failed, vLLM recomputes it", spec.req_id)
+            self._warn.exception("load-bug", "kvpool: load of %s failed, vLLM recomputes it", spec.req_id)
         out.chunks = good
         out.blocks = sum(len(op.block_ids) for op in ops[:good])
         out.failed_blocks = [b for op in ops[good:] for b in op.block_ids]
@@ -287,7 +287,7 @@ class KVPoolWorker:
         try:
             self._save(saves)
         except Exception:  # a bug: a future miss, never a failed request
-            log.exception("kvpool: saving %d chunks failed", len(saves))
+            self._warn.exception("save-bug", "kvpool: saving %d chunks failed", len(saves))
         self.stats.add("save_seconds", time.perf_counter() - t0)
 
     def _save(self, saves: list[_Save]) -> None:
