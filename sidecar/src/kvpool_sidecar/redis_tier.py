@@ -38,6 +38,7 @@ from redis.cluster import RedisCluster
 from redis.connection import PythonRespSerializer
 from redis.retry import Retry
 
+from kvpool_sidecar import metrics
 from kvpool_sidecar.settings import Settings
 from kvpool_sidecar.store import Fetched, Store
 from kvpool_sidecar.wire import checksum
@@ -280,9 +281,10 @@ class RedisTier:
         return True, "ok"
 
     def stats(self) -> dict:
+        """/stats' tiers.redis: the fields declared in metrics.REDIS_STATS (which /metrics renders)."""
         c = self.counters
         ok, reason = self.health()
-        return {
+        values = {
             "ready": ok,
             "reason": reason,
             "shards": len(self._shards),
@@ -300,6 +302,7 @@ class RedisTier:
             "authenticated": self.pool_key is not None,
             "bytes_read": c.bytes_read,
         }
+        return metrics.fields(metrics.REDIS_STATS, values, metrics.REDIS_TEXT_KEYS)
 
     # --- threads ------------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpool_sidecar import metrics
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.settings import Settings
 from kvpool_sidecar.store import Store
@@ -71,17 +72,13 @@ class Sidecar:
         return True, "ok"
 
     def stats(self) -> dict:
+        """/stats: the fields declared in metrics.py (which /metrics renders), and the tiers."""
         snap = self.store.snapshot()
         asked = snap["hits"] + snap["misses"]
-        cpu = {k: snap[k] for k in ("stored_bytes", "capacity_bytes", "chunks", "evictions", "free_bytes")}
-        tiers: dict[str, dict] = {"cpu": cpu}
+        top = metrics.fields(metrics.STATS, {**snap, "hit_rate": snap["hits"] / asked if asked else 0.0})
+        tiers: dict[str, dict] = {"cpu": {k: top[k] for k in metrics.CPU_TIER_KEYS}}
         if self.redis is not None:
             tiers["redis"] = self.redis.stats()
         elif self.redis_refused:
             tiers["redis"] = {"ready": False, "reason": self.redis_refused}
-        return {
-            **{k: snap[k] for k in ("hits", "misses")},
-            "hit_rate": snap["hits"] / asked if asked else 0.0,
-            **{k: v for k, v in snap.items() if k not in ("hits", "misses")},
-            "tiers": tiers,
-        }
+        return {**top, "tiers": tiers}
