@@ -14,7 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .common import KVPoolMetadata
 from .config import load_config
 from .logs import connector_logger
-from .metrics import KVPoolStats, build_stats
+from .metrics import KVPoolPromMetrics, KVPoolStats, build_stats
 from .namespace import engine_namespace, layer_names, stored_group
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
@@ -137,6 +137,17 @@ class KVPoolConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolStats:
         return build_stats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVPoolPromMetrics:
+        """kvpool's counters on vLLM's own /metrics (vllm:kvpool_*_total)."""
+        return KVPoolPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for half in (self.worker, self.scheduler):

@@ -1,30 +1,48 @@
-"""Connector counters, reported through vLLM's KVConnectorStats (summed across workers and steps)."""
+"""Connector statistics, declared once (STATS): reported through vLLM's KVConnectorStats (summed across
+workers and steps, logged by vLLM as "KV Transfer metrics") and published on vLLM's own /metrics as
+Prometheus metrics (KVPoolPromMetrics, named vllm:kvpool_<name>_total like vLLM's own connectors')."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-COUNTERS = (
-    "lookups",  # scheduler: lookup round trips
-    "lookup_errors",  # scheduler: lookups that failed or timed out (counted as misses)
-    "lookups_skipped",  # scheduler: lookups not asked while the breaker was open (counted as misses)
-    "hit_tokens",  # scheduler: tokens offered to vLLM from the sidecar
-    "unkeyable_requests",  # scheduler: requests with an input kvpool cannot key (not loaded or saved)
-    "loaded_chunks",
-    "loaded_bytes",
-    "load_seconds",
-    "load_failed_blocks",  # blocks reported through get_block_ids_with_load_errors
-    "corrupt_chunks",  # loaded chunks whose bytes failed their checksum (recomputed)
-    "saved_chunks",
-    "saved_bytes",
-    "save_seconds",
-    "save_skipped_chunks",  # already stored, no room, or sidecar unreachable
-    "save_refused_chunks",  # commits refused: the reservation was no longer this writer's
-    "sidecar_errors",  # worker: failed sidecar calls
+
+@dataclass(frozen=True)
+class Stat:
+    """One connector statistic. Every one is a count of what happened since the last report, which
+    vLLM sums over workers and steps: a Prometheus counter."""
+
+    name: str
+    help: str
+    kind: Literal["counter"] = "counter"
+
+    @property
+    def prom_name(self) -> str:
+        return f"vllm:kvpool_{self.name}_total"
+
+
+STATS = (
+    Stat("lookups", "Lookup round trips from vLLM's scheduler to the kvpool sidecar"),
+    Stat("lookup_errors", "Lookups that failed or timed out (counted as misses)"),
+    Stat("lookups_skipped", "Lookups not asked while the lookup breaker was open (counted as misses)"),
+    Stat("hit_tokens", "Prompt tokens offered to vLLM from the kvpool sidecar (loaded, not computed)"),
+    Stat("unkeyable_requests", "Requests with an input kvpool cannot key (neither loaded nor saved)"),
+    Stat("loaded_chunks", "Chunks loaded from the kvpool sidecar into vLLM's KV cache"),
+    Stat("loaded_bytes", "Bytes loaded from the kvpool sidecar into vLLM's KV cache"),
+    Stat("load_seconds", "Seconds spent loading chunks (per load, summed)"),
+    Stat("load_failed_blocks", "KV blocks whose load failed and were recomputed"),
+    Stat("corrupt_chunks", "Loaded chunks whose bytes failed their checksum (recomputed, dropped)"),
+    Stat("saved_chunks", "Chunks saved into the kvpool sidecar"),
+    Stat("saved_bytes", "Bytes saved into the kvpool sidecar"),
+    Stat("save_seconds", "Seconds spent saving chunks (per step, summed)"),
+    Stat("save_skipped_chunks", "Chunks not saved: stored already, no room, or the sidecar unreachable"),
+    Stat("save_refused_chunks", "Chunk commits the sidecar refused (the reservation had expired)"),
+    Stat("sidecar_errors", "Failed calls from vLLM's workers to the kvpool sidecar"),
 )
+COUNTERS = tuple(s.name for s in STATS)
 
 
 @dataclass
@@ -61,3 +79,30 @@ class KVPoolStats(KVConnectorStats):
 
 def build_stats(data: dict[str, Any] | None) -> KVPoolStats:
     return KVPoolStats(data=dict(data or {}))
+
+
+class KVPoolPromMetrics(KVConnectorPromMetrics):
+    """STATS as Prometheus metrics on vLLM's /metrics, with vLLM's labels (model_name, engine).
+    observe() gets each step's KVPoolStats payload: counts since the last one, added to the counters."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        classes = {"counter": self._counter_cls}
+        self._children: dict[int, dict[str, Any]] = {idx: {} for idx in per_engine_labelvalues}
+        for stat in STATS:
+            metric = classes[stat.kind](name=stat.prom_name, documentation=stat.help, labelnames=labelnames)
+            for idx, values in per_engine_labelvalues.items():
+                self._children[idx][stat.name] = metric.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        children = self._children.get(engine_idx, {})
+        for name, value in transfer_stats_data.items():
+            child = children.get(name)  # a name this version does not know (a newer worker's): skipped
+            if child is not None and isinstance(value, int | float) and value > 0:
+                child.inc(value)
