@@ -94,7 +94,12 @@ class KVPoolScheduler:
             except Unkeyable as e:
                 st.unkeyable = True
                 self.stats.add("unkeyable_requests")
-                log.warning("kvpool: request %s is neither loaded nor saved: %s", st.request.request_id, e)
+                self._warn.warning(
+                    "unkeyable",
+                    "kvpool: request %s is neither loaded nor saved: %s",
+                    st.request.request_id,
+                    e,
+                )
         return None
 
     def track(self, request: Request) -> None:
@@ -172,8 +177,11 @@ class KVPoolScheduler:
         # the step's scheduled requests.
         st.block_ids = list(blocks.get_block_ids()[0])
         if st.lookup is None:  # vLLM offers only what we matched; never load without a lookup
-            log.warning(
-                "kvpool: %d external tokens for %s without a lookup", num_external_tokens, request.request_id
+            self._warn.warning(
+                "no-lookup",
+                "kvpool: %d external tokens for %s without a lookup",
+                num_external_tokens,
+                request.request_id,
             )
             return
         start, hit_spans = st.lookup
