@@ -9,7 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,47 +28,111 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def sidecar(workdir: Path, capacity: str = "1Gi", timeout: float = 60) -> Iterator[str]:
-    """A `kvpool-sidecar` process on a free loopback port; yields its URL."""
+def _process(
+    argv: list[str], log_path: Path, ready: Callable[[], bool], what: str, timeout: float, **popen: Any
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process whose output goes to `log_path`, once `ready()`; stopped (then killed) after."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, **popen)
+        try:
+            deadline = time.monotonic() + timeout
+            while not ready():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+                    raise RuntimeError(f"{what} did not start (see {log_path}):\n{tail}")
+                time.sleep(0.05)
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextlib.contextmanager
+def sidecar(
+    workdir: Path, capacity: str = "1Gi", timeout: float = 60, redis_url: str | None = None
+) -> Iterator[str]:
+    """A `kvpool-sidecar` process on a free loopback port, with a Redis tier at `redis_url` if given;
+    yields its URL."""
     port = free_port()
     arena = workdir / "arena"
     arena.mkdir(parents=True, exist_ok=True)
-    log = (workdir / "sidecar.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvpool_sidecar",
-            "--port",
-            str(port),
-            "--capacity",
-            capacity,
-            "--arena-dir",
-            str(arena),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    argv = [sys.executable, "-m", "kvpool_sidecar", "--port", str(port), "--capacity", capacity]
+    argv += ["--arena-dir", str(arena), *(["--redis-url", redis_url] if redis_url else [])]
     url = f"http://127.0.0.1:{port}"
-    client = SidecarClient(url, timeout=1)
-    try:
-        deadline = time.monotonic() + timeout
-        while not client.healthz():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                tail = (workdir / "sidecar.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the sidecar did not start:\n{tail}")
-            time.sleep(0.05)
+    with (
+        SidecarClient(url, timeout=1) as client,
+        _process(argv, workdir / "sidecar.log", client.healthz, "the sidecar", timeout),
+    ):
         yield url
-    finally:
-        client.close()
-        proc.terminate()
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path, timeout: float = 30) -> Iterator[str]:
+    """Debian's redis-server on a free loopback port, nothing persisted; yields its URL."""
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    argv += ["--dir", str(workdir)]
+
+    def ready() -> bool:
         try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    with _process(argv, workdir / "redis.log", ready, "redis-server", timeout):
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def vllm_server(
+    model: Path,
+    log_path: Path,
+    kv_cache_bytes: int,
+    connector: dict[str, Any] | None = None,
+    block_size: int = 64,
+    max_model_len: int = 4096,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 16,
+    timeout: float = 600,
+) -> Iterator[str]:
+    """vLLM's OpenAI-compatible server on the CPU engine (prefix caching on, vLLM's default), one
+    compute thread; yields its base URL once /health answers. The command is the README's."""
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
+    argv += ["--block-size", str(block_size), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    argv += ["--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_num_batched_tokens)]
+    argv += ["--max-num-seqs", str(max_num_seqs), "--seed", "0", "--served-model-name", "model"]
+    if connector is not None:
+        config = {
+            "kv_connector": connector["name"],
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": connector.get("extra", {}),
+            **({"kv_connector_module_path": connector["module"]} if connector.get("module") else {}),
+        }
+        argv += ["--kv-transfer-config", json.dumps(config)]
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, **ENGINE_ENV}
+    with _process(argv, log_path, lambda: _http_ok(url + "/health"), "the vLLM server", timeout, env=env):
+        yield url
 
 
 def sidecar_stats(url: str) -> dict[str, Any]:
