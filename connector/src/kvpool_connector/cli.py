@@ -80,7 +80,8 @@ def demo(args: argparse.Namespace) -> int:
         stats = [sidecar_stats(side) for _, side in pods]
     print()
     print(
-        f"  {USERS} users x {ROUNDS} rounds, 256-token system prompt, ~{len(talk[0].prompt)}-token histories:"
+        f"  {USERS} users x {ROUNDS} rounds, 256-token system prompt, "
+        f"round-1 prompts of {len(talk[0].prompt)} tokens:"
     )
     print(
         f"  a working set of ~{len(talk[-1].prompt) * USERS} tokens; vLLM's own KV cache holds "
