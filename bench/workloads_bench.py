@@ -5,7 +5,8 @@ the engine's KV cache pinned small and equal in every arm but the floor's.
 Arms, one run: vLLM alone; vLLM with KV for the whole working set (the floor: what a perfect tier
 could give); kvpool with a CPU tier that holds the working set; kvpool on two engines sharing a Redis
 tier, turns routed with no affinity so that a returning user, prefix or document lands on the other
-engine and its hits come through Redis; vLLM's ExampleConnector (files in /dev/shm).
+engine and its hits come through Redis; vLLM's ExampleConnector (files in /dev/shm); LMCache from
+PyPI in its multiprocess mode, when .venv-lmcache exists (`bash bench/lmcache-env.sh`).
 Every server: the BENCH model (random-weight Llama, 8 layers, hidden 1024, float32), block 64, one
 compute thread (VLLM_CPU_OMP_THREADS_BIND=0), temperature 0, token-id prompts, one request at a
 time, streamed through the OpenAI client; TTFT is measured at the client. Token sources come from
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import statistics
 import tempfile
 import time
@@ -27,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import load_note
-from kvpool_connector.localrun import kvpool_connector_spec, redis_server, sidecar, vllm_server
+from kvpool_connector.localrun import (
+    free_port,
+    kvpool_connector_spec,
+    process,
+    redis_server,
+    sidecar,
+    vllm_server,
+)
 from kvpool_connector.openai_driver import Sample, drive
 from kvpool_connector.tinymodel import BENCH, make_model
 from kvpool_connector.workloads import (
@@ -45,17 +54,20 @@ BLOCK_BYTES = 2 * BENCH.layers * BENCH.kv_heads * BENCH.head_size * 4 * BLOCK  #
 ENGINE_BLOCKS = 24  # the engine's own KV cache: 1,536 tokens
 FLOOR_BLOCKS = 640  # enough for every workload's working set at once
 RESULTS = Path(__file__).parent / "results"
+LMCACHE_VENV = Path(__file__).parent.parent / ".venv-lmcache"
 
 
 def workloads() -> dict[str, list[Turn]]:
     v = BENCH.vocab
     return {
-        # 8 users x 3 rounds; working set ~4,300 tokens, 2.8x the engine's KV
+        # 8 users x 3 rounds, each round 72 tokens more than the last (more than a block, as real
+        # questions are: a whole-prompt key then never matches); working set ~5,000 tokens, 3.3x the
+        # engine's KV
         "multi-round QA": multi_round_qa(
-            8, 3, system=256, history=384, question=32, answer=8, vocab=v, seed=11
+            8, 3, system=256, history=384, question=64, answer=8, vocab=v, seed=11
         ),
-        # 12 prefixes x 3 prompts, shuffled; 5,400 tokens of prefixes, 3.5x
-        "prefix repetition": prefix_repetition(12, 3, prefix=448, suffix=32, answer=4, vocab=v, seed=12),
+        # 12 prefixes x 3 prompts with suffixes of 1.5 blocks, shuffled; 5,400 tokens of prefixes, 3.5x
+        "prefix repetition": prefix_repetition(12, 3, prefix=448, suffix=96, answer=4, vocab=v, seed=12),
         # 4 documents x 2 passes in tile order; 4,100 tokens, 2.7x
         "long-document QA": long_doc_qa(4, doc=1024, question=16, answer=8, vocab=v, seed=13),
         "no-reuse control": no_reuse(16, 512, answer=8, vocab=v, seed=14),
@@ -72,7 +84,9 @@ class ArmResult:
 Servers = Callable[[Path], contextlib.AbstractContextManager[list[str]]]
 
 
-def _server(model: Path, log: Path, blocks: int, connector: dict[str, Any] | None = None) -> Any:
+def _server(
+    model: Path, log: Path, blocks: int, connector: dict[str, Any] | None = None, **kw: Any
+) -> contextlib.AbstractContextManager[str]:
     return vllm_server(
         model,
         log,
@@ -80,6 +94,7 @@ def _server(model: Path, log: Path, blocks: int, connector: dict[str, Any] | Non
         connector=connector,
         block_size=BLOCK,
         max_model_len=(ENGINE_BLOCKS - 1) * BLOCK,
+        **kw,
     )
 
 
@@ -118,14 +133,42 @@ def arms(model: Path) -> dict[str, tuple[Servers, Callable[[Turn], int]]]:
         with _server(model, work / "vllm.log", ENGINE_BLOCKS, spec) as url:
             yield [url]
 
+    @contextlib.contextmanager
+    def lmcache(work: Path) -> Iterator[list[str]]:
+        # its multiprocess mode, the one that runs on a CPU engine: an `lmcache server` with a CPU
+        # (L1) tier that holds the working set, engine-driven transfers through shared memory
+        port = free_port()
+        argv = [str(LMCACHE_VENV / "bin" / "lmcache"), "server", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--l1-size-gb", "2", "--eviction-policy", "LRU", "--chunk-size", str(CHUNK)]
+        argv += ["--supported-transfer-mode", "engine_driven", "--shm-name", f"kvpool-bench-lmcache-{port}"]
+        extra = {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port}
+        spec = {"name": "LMCacheMPConnector", "extra": extra}
+        python = str(LMCACHE_VENV / "bin" / "python")
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(process(argv, work / "lmcache.log", lambda: _listening(port), "LMCache", 300))
+            yield [stack.enter_context(_server(model, work / "vllm.log", ENGINE_BLOCKS, spec, python=python))]
+
     one = _to(0)
-    return {
+    out: dict[str, tuple[Servers, Callable[[Turn], int]]] = {
         "vLLM alone": (alone, one),
         "vLLM, KV for everything (floor)": (lambda w: alone(w, FLOOR_BLOCKS), one),
         "kvpool, CPU tier": (kvpool_cpu, one),
         "kvpool, 2 engines via Redis": (kvpool_redis, lambda t: (t.user + t.round) % 2),
         "ExampleConnector": (example, one),
     }
+    if (LMCACHE_VENV / "bin" / "lmcache").exists():
+        out["LMCache (multiprocess mode)"] = (lmcache, one)
+    else:
+        print(f"(no LMCache arm: {LMCACHE_VENV} is missing; `bash bench/lmcache-env.sh` builds it)")
+    return out
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _to(i: int) -> Callable[[Turn], int]:
@@ -274,6 +317,12 @@ def plot(results: list[ArmResult], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _record(s: Sample) -> dict[str, Any]:
+    """A sample as JSON, its prompt by length only."""
+    turn = {"user": s.turn.user, "round": s.turn.round, "prompt_tokens": len(s.turn.prompt)}
+    return {**asdict(s), "turn": turn}
+
+
 def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
@@ -287,7 +336,7 @@ def main() -> None:
             {
                 a.name: {
                     "walls": a.walls,
-                    "samples": {wl: [asdict(s) for s in ss] for wl, ss in a.samples.items()},
+                    "samples": {wl: [_record(s) for s in ss] for wl, ss in a.samples.items()},
                 }
                 for a in results
             }

@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def _process(
+def process(
     argv: list[str], log_path: Path, ready: Callable[[], bool], what: str, timeout: float, **popen: Any
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A child process whose output goes to `log_path`, once `ready()`; stopped (then killed) after."""
@@ -67,7 +67,7 @@ def sidecar(
     url = f"http://127.0.0.1:{port}"
     with (
         SidecarClient(url, timeout=1) as client,
-        _process(argv, workdir / "sidecar.log", client.healthz, "the sidecar", timeout),
+        process(argv, workdir / "sidecar.log", client.healthz, "the sidecar", timeout),
     ):
         yield url
 
@@ -88,7 +88,7 @@ def redis_server(workdir: Path, timeout: float = 30) -> Iterator[str]:
         except OSError:
             return False
 
-    with _process(argv, workdir / "redis.log", ready, "redis-server", timeout):
+    with process(argv, workdir / "redis.log", ready, "redis-server", timeout):
         yield f"redis://127.0.0.1:{port}/0"
 
 
@@ -111,11 +111,12 @@ def vllm_server(
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 16,
     timeout: float = 600,
+    python: str = sys.executable,
 ) -> Iterator[str]:
     """vLLM's OpenAI-compatible server on the CPU engine (prefix caching on, vLLM's default), one
     compute thread; yields its base URL once /health answers. The command is the README's."""
     port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
     argv += ["--block-size", str(block_size), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
     argv += ["--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_num_batched_tokens)]
@@ -131,7 +132,7 @@ def vllm_server(
         argv += ["--kv-transfer-config", json.dumps(config)]
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, **ENGINE_ENV}
-    with _process(argv, log_path, lambda: _http_ok(url + "/health"), "the vLLM server", timeout, env=env):
+    with process(argv, log_path, lambda: _http_ok(url + "/health"), "the vLLM server", timeout, env=env):
         yield url
 
 
