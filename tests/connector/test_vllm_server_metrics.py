@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,17 +15,18 @@ from typing import Any
 import pytest
 
 vllm = pytest.importorskip("vllm")
-from enginekit import ENGINE_ENV, kvpool_connector  # noqa: E402
-from kvtest import Proc, free_port, http_ok, spawn, start_sidecar, wait_until  # noqa: E402
+from enginekit import kvpool_connector  # noqa: E402
+from kvtest import start_sidecar, wait_until  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from kvpool_connector.localrun import vllm_server  # noqa: E402
 from kvpool_connector.metrics import STATS  # noqa: E402
 from kvpool_connector.tinymodel import random_prompt  # noqa: E402
 from kvpool_sidecar.client import SidecarClient  # noqa: E402
 
 pytestmark = pytest.mark.engine
 
-MODEL_NAME = "tiny"
+MODEL_NAME = "model"  # what localrun.vllm_server serves it as
 PROMPT = random_prompt(300, 512, seed=21)  # 4 full chunks of 64 tokens
 HIT_TOKENS = 256  # those 4 chunks, loaded by the second request
 
@@ -34,7 +34,7 @@ HIT_TOKENS = 256  # those 4 chunks, loaded by the second request
 @dataclass
 class Server:
     url: str
-    proc: Proc
+    log: Path
     sidecar: SidecarClient
     families: dict[str, Any] = field(default_factory=dict)  # /metrics once the requests are counted
 
@@ -57,49 +57,33 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Server]:
     d = tmp_path_factory.mktemp("server")
     sidecar = start_sidecar(d, "64Mi")
-    port = free_port()
-    connector = kvpool_connector(sidecar.info["url"])
-    kv_transfer = {
-        "kv_connector": connector["name"],
-        "kv_connector_module_path": connector["module"],
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": connector["extra"],
-    }
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(tiny_model), "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--block-size", "32", "--enforce-eager", "--seed", "0",
-        "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "2048",
-        # vLLM's own prefix cache would serve the second request before kvpool is asked
-        "--no-enable-prefix-caching",
-        "--uvicorn-log-level", "warning",
-        "--kv-transfer-config", json.dumps(kv_transfer),
-    ]  # fmt: skip
-    proc = spawn(argv, d / "server.log", env=ENGINE_ENV)
     client = SidecarClient(sidecar.info["url"], timeout=5)
-    url = f"http://127.0.0.1:{port}"
-
+    log = d / "server.log"
     try:
-        wait_until(lambda: not proc.alive() or http_ok(f"{url}/health"), 600, "vLLM's OpenAI server to start")
-        assert proc.alive(), f"the server exited {proc.popen.returncode}:\n{proc.output()[-6000:]}"
-        srv = Server(url, proc, client)
-        srv.complete(PROMPT)  # computed, its 4 full chunks saved
-        wait_until(lambda: client.stats()["chunks"] >= 4, 60, "the first request's chunks to be saved")
-        srv.complete(PROMPT)  # no vLLM prefix cache: kvpool offers the 4 chunks
+        with vllm_server(
+            tiny_model,
+            log,
+            kv_cache_bytes=64 << 20,
+            connector=kvpool_connector(sidecar.info["url"]),
+            block_size=32,
+            max_model_len=2048,
+            prefix_caching=False,  # vLLM's own prefix cache would serve the second request first
+        ) as url:
+            srv = Server(url, log, client)
+            srv.complete(PROMPT)  # computed, its 4 full chunks saved
+            wait_until(lambda: client.stats()["chunks"] >= 4, 60, "the first request's chunks to be saved")
+            srv.complete(PROMPT)  # no vLLM prefix cache: kvpool offers the 4 chunks
 
-        def counted() -> dict[str, Any] | None:
-            families = srv.metrics()
-            hits, saved = families.get("vllm:kvpool_hit_tokens"), families.get("vllm:kvpool_saved_chunks")
-            return families if _total(hits) >= HIT_TOKENS and _total(saved) >= 4 else None
+            def counted() -> dict[str, Any] | None:
+                families = srv.metrics()
+                hits, saved = families.get("vllm:kvpool_hit_tokens"), families.get("vllm:kvpool_saved_chunks")
+                return families if _total(hits) >= HIT_TOKENS and _total(saved) >= 4 else None
 
-        families = wait_until(counted, 60, "kvpool's counters on the server's /metrics")
-        assert isinstance(families, dict)
-        srv.families = families
-        yield srv
+            families = wait_until(counted, 60, "kvpool's counters on the server's /metrics")
+            assert isinstance(families, dict)
+            srv.families = families
+            yield srv
     finally:
-        proc.stop(timeout=60)
         client.close()
         sidecar.stop()
 
@@ -125,14 +109,14 @@ def test_the_raw_exposition_types_the_counters(server: Server) -> None:
     for stat in STATS:  # prometheus_client's text format names the family by its _total sample
         assert f"# TYPE {stat.prom_name} counter\n" in text, stat.name
         assert re.search(rf"^{re.escape(stat.prom_name)}{{[^}}]*}} \S+$", text, re.M), stat.name
-    hits = re.search(r'^vllm:kvpool_hit_tokens_total{[^}]*model_name="tiny"[^}]*} (\S+)$', text, re.M)
+    hits = re.search(r'^vllm:kvpool_hit_tokens_total{[^}]*model_name="model"[^}]*} (\S+)$', text, re.M)
     assert hits and float(hits.group(1)) >= HIT_TOKENS
 
 
 def test_connector_lines_come_out_in_vllms_format(server: Server) -> None:
     """The worker's start-up line, through vLLM's handler: process and pid, level, time, file:line
     (before, the connector's loggers were outside "vllm": its info lines were lost)."""
-    log = server.proc.output()
+    log = server.log.read_text(errors="replace")
     line = re.compile(
         r"^\((?:Worker|EngineCore)[^)]* pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d "
         r"\[worker\.py:\d+\] kvpool: 2 layers, \d+ bytes per block",

@@ -110,17 +110,20 @@ def vllm_server(
     max_model_len: int = 4096,
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 16,
+    prefix_caching: bool = True,
     timeout: float = 600,
     python: str = sys.executable,
 ) -> Iterator[str]:
-    """vLLM's OpenAI-compatible server on the CPU engine (prefix caching on, vLLM's default), one
-    compute thread; yields its base URL once /health answers. The command is the README's."""
+    """vLLM's OpenAI-compatible server on the CPU engine (prefix caching on unless asked: vLLM's
+    default), one compute thread, the model served as "model"; yields its base URL once /health
+    answers. The command is the README's."""
     port = free_port()
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager"]
     argv += ["--block-size", str(block_size), "--kv-cache-memory-bytes", str(kv_cache_bytes)]
     argv += ["--max-model-len", str(max_model_len), "--max-num-batched-tokens", str(max_num_batched_tokens)]
     argv += ["--max-num-seqs", str(max_num_seqs), "--seed", "0", "--served-model-name", "model"]
+    argv += [] if prefix_caching else ["--no-enable-prefix-caching"]
     if connector is not None:
         config = {
             "kv_connector": connector["name"],
