@@ -206,6 +206,10 @@ class ControlPlane:
             # pods that tests/k8s/kubelet.py runs for real: kwok leaves their status alone
             "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
             "--cidr", POD_CIDR, "--node-ip", "127.88.255.254",
+            # the node's heartbeat is its Lease, renewed as a kubelet does: the heartbeat-with-lease stage
+            # writes node status only every 10 minutes, and without a Lease the node lifecycle controller
+            # marks the node NotReady after its 50 s grace period, and with it every pod on it unready
+            "--node-lease-duration-seconds=40",
             "--server-address", f"127.0.0.1:{free_port()}",
         ]  # fmt: skip
         self._run("kwok", [*argv, "--config", STAGES / "kwok-fast.yaml"])  # node and pod lifecycles

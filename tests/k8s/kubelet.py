@@ -87,7 +87,7 @@ class LocalKubelet:
                     self.running[name] = (ip, spawn_operator_as(self.cp, pod, self.workdir))
                     self.ever[name] = self.running[name][1]
                     self.ready[name] = False
-            ready = self._probe(pod, self.running[name][0])
+            ready = readiness_probe_passes(pod, self.running[name][0])
             if ready != self.ready.get(name):
                 self._status(name, {}, ready=ready)
                 self.ready[name] = ready
@@ -102,17 +102,6 @@ class LocalKubelet:
         self.cp.kubectl("-n", self.namespace, "delete", "pod", name, "--grace-period=0", "--force",
                         "--ignore-not-found", check=False)  # fmt: skip
 
-    @staticmethod
-    def _probe(pod: dict[str, Any], ip: str) -> bool:
-        get = pod["spec"]["containers"][0]["readinessProbe"]["httpGet"]
-        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
-        port = ports.get(get["port"], get["port"])
-        try:
-            with urllib.request.urlopen(f"http://{ip}:{port}{get['path']}", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
     def _status(self, name: str, fields: dict[str, Any], ready: bool) -> None:
         state = "True" if ready else "False"
         conditions = [{"type": t, "status": state} for t in ("Ready", "ContainersReady")]
@@ -120,3 +109,15 @@ class LocalKubelet:
         body = {"status": {**fields, "conditions": conditions}}
         patch = ["--subresource=status", "--type=strategic", "-p", json.dumps(body)]
         self.cp.kubectl("-n", self.namespace, "patch", "pod", name, *patch)
+
+
+def readiness_probe_passes(pod: dict[str, Any], ip: str) -> bool:
+    """The pod's own HTTP readiness probe, asked at `ip`, as a kubelet asks it."""
+    get = pod["spec"]["containers"][0]["readinessProbe"]["httpGet"]
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    port = ports.get(get["port"], get["port"])
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{port}{get['path']}", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane import ControlPlane, condition, get_json, port_open
+from kubelet import readiness_probe_passes
 from kvtest import REPO, Proc, spawn, wait_until
 
 CHART = REPO / "charts" / "kvpool"
@@ -64,12 +65,15 @@ def webhook_routed(cp: ControlPlane, release: str = RELEASE, namespace: str = RE
 
 
 def start_operator_as(cp: ControlPlane, pod: dict[str, Any], workdir: Path) -> LocalOperator:
-    """Runs `kvpool-operator` as the pod and waits for its webhook."""
+    """Runs `kvpool-operator` as the pod and waits for its webhook and its readiness probe (the pools
+    read), as a kubelet gates the webhook Service's endpoints: kwok marks the pod Ready at once."""
     proc = spawn_operator_as(cp, pod, workdir)
     operator = LocalOperator(pod["metadata"]["name"], pod["status"]["podIP"], proc, proc.info["kubeconfig"])
     try:
         wait_until(
-            lambda: operator.webhook_up, 60, f"the operator playing {operator.pod} to serve its webhook"
+            lambda: operator.webhook_up and readiness_probe_passes(pod, operator.ip),
+            60,
+            f"the operator playing {operator.pod} to serve its webhook, ready",
         )
     except TimeoutError:
         proc.kill()
