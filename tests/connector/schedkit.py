@@ -30,7 +30,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpool_connector.keys import chunk_keys, rank_key
-from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.client import SidecarClient, checksum
 
 BS = 16
 CHUNK = 32
@@ -209,8 +209,15 @@ def saves_of(outputs: list) -> list:
 
 
 def save_like_a_worker(client: SidecarClient, outputs: list) -> list[str]:
-    """Stores every chunk the steps asked to save, under rank 0's key, as the worker would."""
-    keys = [rank_key(op.link, 0) for sv in saves_of(outputs) for op in sv.chunks]
-    for key in keys:
-        assert client.put(key, b"\1" * 64)
+    """Stores every chunk the steps asked to save, under rank 0's key and with its block prefixes'
+    keys, as the worker would (reserve, write into the arena, commit with the checksum)."""
+    keys = []
+    data = b"\1" * 64
+    for op in [op for sv in saves_of(outputs) for op in sv.chunks]:
+        key = rank_key(op.link, 0)
+        (slot,) = client.reserve([(key, len(data))], prefixes={key: [rank_key(p, 0) for p in op.prefixes]})
+        assert slot is not None, f"chunk {key} saved twice or no room"
+        client.arena()[slot.offset : slot.offset + len(data)] = data
+        assert client.commit([(slot, checksum(data))]) == [True]
+        keys.append(key)
     return keys

@@ -201,3 +201,22 @@ def test_a_tail_is_not_reused_when_the_next_prompt_differs_inside_it(tiny_model,
     s.add_request(make_request(other))
     assert first_computed(run_to_end(s)) == 64
     assert_empty(s)
+
+
+def test_a_prompt_sharing_only_the_first_blocks_of_a_chunk_loads_them_from_that_chunk(
+    tiny_model, sidecar
+) -> None:
+    """Two prompts on one 80-token prefix, which ends inside a chunk: the second loads the prefix's
+    block in that chunk from the first prompt's chunk, found by the key of its block prefix."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    shared = prompt(80, 7)
+    s.add_request(make_request(shared + prompt(40, 8)))  # chunk [64,96) holds 16 shared tokens, 16 own
+    save_like_a_worker(client, run_to_end(s))
+    s.add_request(make_request(shared + prompt(50, 9)))
+    outputs = run_to_end(s)
+    assert first_computed(outputs) == 80  # not 64: the shared block of chunk [64,96) came back too
+    (load,) = loads_of(outputs)
+    # the last op names one block of the prefix; the worker finds the chunk holds two (see worker.py)
+    assert [(op.chunk_blocks, len(op.block_ids)) for op in load.chunks] == [(2, 2), (2, 2), (1, 1)]
+    assert_empty(s)

@@ -111,3 +111,21 @@ def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sid
         stats = w.take_stats()
         assert stats is None or stats.data["saved_chunks"] == 0
         w.shutdown()
+
+
+def test_a_block_prefix_key_loads_the_first_blocks_of_the_chunk_that_holds_them(sidecar_factory) -> None:
+    proc = sidecar_factory("16Mi")
+    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=3)
+    (op,) = chunk_ops([[4, 9]])
+    prefix_link = b"p" * 16  # the link of its first block alone (the scheduler computes it)
+    op.prefixes = [prefix_link]
+    src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, [op])]))
+    # a one-block span found by that key: the sidecar pins the two-block chunk, the worker loads its
+    # first block and checks the whole chunk's checksum
+    meta = KVPoolMetadata(loads=[LoadSpec("b", [ChunkOp(prefix_link, 1, [11])])])
+    assert run_loads(dst, meta) == set()
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        assert torch.equal(s[4], d[11])
+    # a key that names no chunk and no prefix is a load error, as ever
+    meta = KVPoolMetadata(loads=[LoadSpec("c", [ChunkOp(b"q" * 16, 1, [12])])])
+    assert run_loads(dst, meta) == {12}

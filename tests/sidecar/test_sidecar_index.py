@@ -93,3 +93,21 @@ def test_the_index_holds_at_most_max_chunks() -> None:
     for c in "xyz":  # reservations count too: three, the stored ones evicted for them
         assert idx.reserve(c * 32, 0, 0, set()) is not None
     assert idx.reserve("w" * 32, 0, 0, set()) is None  # nothing left to evict: only reservations
+
+
+def test_a_block_prefix_key_finds_the_stored_chunk_that_holds_it_until_that_chunk_goes() -> None:
+    idx, _ = index(capacity=2048, max_chunks=3)
+    full, p1, p2 = "f" * 32, "1" * 32, "2" * 32
+    e = idx.reserve(full, 1024, 0, set(), prefixes=[p1, p2])
+    assert e is not None and idx.loadable(p1) is None  # reserved: not loadable by any name yet
+    idx.commit(slot_of(e), 7)
+    assert idx.loadable(p1) is e and idx.loadable(p2) is e and idx.stored(p1) is None
+    other = idx.reserve("o" * 32, 512, 0, set(), prefixes=[p1, "3" * 32, "4" * 32])
+    assert other is not None
+    idx.commit(slot_of(other), 8)
+    assert idx.loadable(p1) is e  # the first chunk stored keeps the prefix
+    assert other.prefixes == ("3" * 32,)  # the bound (max_chunks aliases) kept out the last one
+    assert idx.loadable("4" * 32) is None
+    idx.drop(e)  # evicted or corrupt: its prefixes find nothing any more
+    assert idx.loadable(p1) is None and idx.loadable(p2) is None
+    assert idx.loadable("3" * 32) is other

@@ -16,6 +16,9 @@ class ChunkOp:
     chunk_blocks: int
     block_ids: list[int]
     first_block: int = 0  # index in the chunk of block_ids[0]
+    # saves: the links of the chunk's block prefixes (its first 1, 2, ... blocks), under which the
+    # sidecar finds it for a prompt that shares only those blocks
+    prefixes: list[bytes] = field(default_factory=list)
 
 
 @dataclass

@@ -260,11 +260,13 @@ class KVPoolScheduler:
         if not todo or (links := self._links(st, todo)) is None:
             return None
         st.saved.update(todo)
+        bs = self.block_size
         ops = [
             ChunkOp(
                 link,
-                (s[1] - s[0]) // self.block_size,
-                st.block_ids[s[0] // self.block_size : s[1] // self.block_size],
+                (s[1] - s[0]) // bs,
+                st.block_ids[s[0] // bs : s[1] // bs],
+                prefixes=[self._link(st, (s[0], end)) for end in range(s[0] + bs, s[1], bs)],
             )
             for s, link in zip(todo, links, strict=True)
         ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -176,10 +177,14 @@ class KVPoolWorker:
         """Loads one pinned chunk; False (the sidecar told to drop it) when its bytes are wrong."""
         expected = self.io.chunk_bytes(op.chunk_blocks)
         if slot.length != expected:
-            self._warn.warning(
-                "geometry", "kvpool: chunk %s has %d bytes, expected %d", slot.key, slot.length, expected
-            )
-            return False
+            # found by a block prefix's key: the first blocks of a longer chunk
+            blocks, rest = divmod(slot.length, self.io.block_bytes) if self.io.block_bytes else (0, 1)
+            if rest or blocks < op.first_block + len(op.block_ids):
+                self._warn.warning(
+                    "geometry", "kvpool: chunk %s has %d bytes, expected %d", slot.key, slot.length, expected
+                )
+                return False
+            op = dataclasses.replace(op, chunk_blocks=blocks)
         chunk = self._mapping.tensor(slot.epoch)[slot.offset : slot.offset + slot.length]
         if self._stream is None:
             ok = self.io.load_cpu(chunk, op) == slot.checksum
@@ -300,6 +305,7 @@ class KVPoolWorker:
                     [(s.key, self.io.chunk_bytes(s.op.chunk_blocks)) for s in group],
                     priority=priority,
                     groups={s.key: s.op.link.hex() for s in group},  # every rank's copy: one group
+                    prefixes={s.key: [rank_key(link, self.rank) for link in s.op.prefixes] for s in group},
                 )
                 for s, slot in zip(group, slots, strict=True):
                     if slot is None:

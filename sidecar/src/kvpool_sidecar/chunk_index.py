@@ -33,6 +33,7 @@ class Entry:
     dropped: bool = False  # out of the index; its extent is freed when the last pin goes
     gen: int = 0  # the reservation's generation: a commit must echo it
     group: str | None = None  # the chunk this is one rank's copy of
+    prefixes: tuple[str, ...] = ()  # the keys of its block prefixes, which find it once stored
 
 
 @dataclass(eq=False)
@@ -76,6 +77,9 @@ class ChunkIndex:
         self.stored_bytes = 0
         self._alloc = Allocator(capacity, base)
         self._entries: dict[str, Entry] = {}
+        # A block prefix's key -> the stored chunk whose first blocks it is (the first one stored
+        # wins); at most max_chunks of them, so the index's memory stays bounded.
+        self._aliases: dict[str, Entry] = {}
         # Evictable order: per priority value an LRU of stored entries (oldest first).
         self._lru: dict[int, OrderedDict[str, Entry]] = {}
         self._priorities: list[int] = []  # sorted keys of _lru
@@ -96,6 +100,11 @@ class ChunkIndex:
         e = self._entries.get(key)
         return e if e is not None and e.stored else None
 
+    def loadable(self, key: str) -> Entry | None:
+        """The stored chunk `key` names, or else the stored chunk whose first blocks are the block
+        prefix `key` names (a load of those blocks reads that chunk and checks its whole checksum)."""
+        return self.stored(key) or self._aliases.get(key)
+
     def prefix(self, keys: Sequence[str], touch: bool = False) -> int:
         """How many of `keys`, from the first, are stored. With touch, those count as used now: a
         shared system prompt that every request looks up is never the first evicted."""
@@ -112,7 +121,13 @@ class ChunkIndex:
     # --- reservations -----------------------------------------------------------------------------
 
     def reserve(
-        self, key: str, length: int, priority: int, protect: set[str], group: str | None = None
+        self,
+        key: str,
+        length: int,
+        priority: int,
+        protect: set[str],
+        group: str | None = None,
+        prefixes: Sequence[str] = (),
     ) -> Entry | None:
         """A reservation of `length` bytes for `key`; None when the key is stored or being written
         (a stored one counts as used now: a hot prefix saved again stays recent), or no room even
@@ -133,6 +148,7 @@ class ChunkIndex:
             deadline=self.clock() + self.lease_seconds,
             gen=next(self._gens),
             group=group,
+            prefixes=tuple(prefixes),
         )
         self._entries[key] = e
         return e
@@ -168,6 +184,15 @@ class ChunkIndex:
         e.checksum = digest
         self._link(e)
         self.stored_bytes += e.length
+        # only the aliases that got in are kept (a prefix another chunk already names, or beyond the
+        # bound, costs nothing more)
+        mine = []
+        for alias in e.prefixes:
+            if len(self._aliases) >= self.max_chunks:
+                break
+            if self._aliases.setdefault(alias, e) is e:
+                mine.append(alias)
+        e.prefixes = tuple(mine)
 
     def abort(self, slot: Slot) -> None:
         if (e := self.reserved(slot)) is not None:
@@ -240,6 +265,9 @@ class ChunkIndex:
         e.dropped = True
         if self._entries.get(e.key) is e:
             del self._entries[e.key]
+        for alias in e.prefixes:
+            if self._aliases.get(alias) is e:
+                del self._aliases[alias]
         if e.stored:
             self._unlink(e)
             self.stored_bytes -= e.length

@@ -357,17 +357,27 @@ class SidecarClient:
         return str(self.arena_info()["path"])
 
     def reserve(
-        self, items: Sequence[tuple[str, int]], priority: int = 0, groups: Mapping[str, str] | None = None
+        self,
+        items: Sequence[tuple[str, int]],
+        priority: int = 0,
+        groups: Mapping[str, str] | None = None,
+        prefixes: Mapping[str, Sequence[str]] | None = None,
     ) -> list[Slot | None]:
         """Room for each (key, length): None where the key is already stored or there is no room.
         groups: key -> the chunk it is one rank's copy of (all ranks name the same group), so the
-        write-behind to Redis keeps all of a chunk's copies or none."""
+        write-behind to Redis keeps all of a chunk's copies or none. prefixes: key -> the keys of the
+        chunk's block prefixes, which find it once committed (see ChunkIndex.loadable)."""
         if not items:
             return []
-        groups = groups or {}
+        groups, prefixes = groups or {}, prefixes or {}
         body = {
             "items": [
-                {"key": k, "length": int(n), **({"group": groups[k]} if k in groups else {})}
+                {
+                    "key": k,
+                    "length": int(n),
+                    **({"group": groups[k]} if k in groups else {}),
+                    **({"prefixes": list(prefixes[k])} if prefixes.get(k) else {}),
+                }
                 for k, n in items
             ],
             "priority": int(priority),

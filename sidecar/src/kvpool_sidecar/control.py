@@ -30,7 +30,8 @@ def reserve(store: Store, req: s.ReserveRequest, max_chunk_bytes: int) -> s.Rese
                 f"chunk {item.key} is {item.length} bytes; the largest allowed is {max_chunk_bytes}"
             )
     groups = {i.key: i.group for i in req.items if i.group}
-    slots = store.reserve([(i.key, i.length) for i in req.items], req.priority, groups)
+    prefixes = {i.key: i.prefixes for i in req.items if i.prefixes}
+    slots = store.reserve([(i.key, i.length) for i in req.items], req.priority, groups, prefixes)
     return s.ReserveResponse(epoch=store.arena.epoch, slots=[_slot_model(x) if x else None for x in slots])
 
 

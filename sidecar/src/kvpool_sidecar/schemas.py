@@ -41,6 +41,12 @@ class ReserveItem(_Strict):
         description="the chunk this key is one rank's copy of (every rank's copy names the same group): "
         "the write-behind to Redis keeps all of a group's copies or none",
     )
+    prefixes: list[Key] = Field(
+        default_factory=list,
+        max_length=255,
+        description="the keys of the chunk's block prefixes (1, 2, ... blocks): once committed, a lookup "
+        "alternative or a pin of one of them finds this chunk, whose first blocks are that prefix's",
+    )
 
 
 class ReserveRequest(_Strict):

@@ -79,11 +79,16 @@ class Store:
     # --- the arena protocol -----------------------------------------------------------------------
 
     def reserve(
-        self, items: Sequence[tuple[str, int]], priority: int = 0, groups: Mapping[str, str] | None = None
+        self,
+        items: Sequence[tuple[str, int]],
+        priority: int = 0,
+        groups: Mapping[str, str] | None = None,
+        prefixes: Mapping[str, Sequence[str]] | None = None,
     ) -> list[Slot | None]:
         """Room for each (key, length): None where the key is stored or being written, or no room.
-        groups: key -> the chunk it is one rank's copy of (see LowerTier.saved)."""
-        groups = groups or {}
+        groups: key -> the chunk it is one rank's copy of (see LowerTier.saved). prefixes: key -> the
+        keys of its block prefixes (see ChunkIndex.loadable)."""
+        groups, prefixes = groups or {}, prefixes or {}
         batch = {k for k, _ in items}
         out: list[Slot | None] = []
         # In slices, the lock released between them: a huge batch never holds lookups for long.
@@ -91,7 +96,9 @@ class Store:
             with self._lock:
                 self.index.reap()
                 for key, length in items[start : start + _SLICE]:
-                    e = self.index.reserve(key, length, priority, batch, groups.get(key))
+                    e = self.index.reserve(
+                        key, length, priority, batch, groups.get(key), prefixes.get(key, ())
+                    )
                     out.append(None if e is None else self._slot(e, gen=e.gen))
         return out
 
@@ -143,7 +150,7 @@ class Store:
             if lease is None:
                 return lease_id, []  # released by a caller that gave up on it, or a name in use
             for key in keys:
-                e = self.index.stored(key)
+                e = self.index.loadable(key)  # a block prefix's key pins the chunk that holds it
                 if e is None:
                     break
                 self.index.pin(e)
@@ -316,7 +323,7 @@ class Store:
         tier count as used now), or None. One round trip to the lower tier for all of them."""
         keys = list(dict.fromkeys(k for group in groups for k in group))
         with self._lock:
-            here = {k for k in keys if self.index.stored(k) is not None}
+            here = {k for k in keys if self.index.loadable(k) is not None}
         missing = [k for k in keys if k not in here]
         lower = self.lower
         if missing and lower is not None and lower.usable():
@@ -325,7 +332,7 @@ class Store:
             if all(k in here for k in group):
                 with self._lock:
                     for k in group:
-                        if (e := self.index.stored(k)) is not None:
+                        if (e := self.index.loadable(k)) is not None:
                             self.index.touch(e)
                     self.counters.hits += len(group)
                 return i
