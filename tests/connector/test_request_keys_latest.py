@@ -139,10 +139,10 @@ def test_prompt_embeds_never_share_with_other_embeds(tiny_model, sidecar) -> Non
     s.add_request(saved_by_embeds)
     assert len(save_like_a_worker(client, run_to_end(s))) == 3
     other = embeds.clone()
-    other[50] += 1.0  # one position of chunk 1 differs
+    other[50] += 1.0  # one position of chunk 1's second block differs
     fresh = make_scheduler(tiny_model, url, prefix_caching=True)
     computed, _ = first_step(fresh, make_request(None, prompt_embeds=other))
-    assert computed == 32
+    assert computed == 48  # chunk 0, and chunk 1's first block (its block-prefix key): never the second
     finish(fresh)
     again = make_scheduler(tiny_model, url, prefix_caching=True)
     computed, loads = first_step(again, make_request(None, prompt_embeds=embeds.clone()))
