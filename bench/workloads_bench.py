@@ -50,7 +50,6 @@ from kvpool_connector.workloads import (
 
 BLOCK = 64
 CHUNK = 256
-BLOCK_BYTES = 2 * BENCH.layers * BENCH.kv_heads * BENCH.head_size * 4 * BLOCK  # K and V, float32
 ENGINE_BLOCKS = 24  # the engine's own KV cache: 1,536 tokens
 FLOOR_BLOCKS = 640  # enough for every workload's working set at once
 RESULTS = Path(__file__).parent / "results"
@@ -90,7 +89,7 @@ def _server(
     return vllm_server(
         model,
         log,
-        kv_cache_bytes=blocks * BLOCK_BYTES,
+        kv_cache_bytes=blocks * BLOCK * BENCH.kv_bytes_per_token,
         connector=connector,
         block_size=BLOCK,
         max_model_len=(ENGINE_BLOCKS - 1) * BLOCK,

@@ -21,7 +21,6 @@ from .workloads import Turn, multi_round_qa
 
 CHUNK = 256
 BLOCK = 64
-BLOCK_BYTES = 2 * DEMO.layers * DEMO.kv_heads * DEMO.head_size * 4 * BLOCK  # K and V, float32
 ENGINE_BLOCKS = 16  # vLLM's own KV cache: 1,024 tokens, a third of the conversations' working set
 USERS, ROUNDS = 4, 3
 
@@ -36,7 +35,7 @@ def _server(model: Path, log: Path, connector: dict | None = None) -> Any:
     return vllm_server(
         model,
         log,
-        kv_cache_bytes=ENGINE_BLOCKS * BLOCK_BYTES,
+        kv_cache_bytes=ENGINE_BLOCKS * BLOCK * DEMO.kv_bytes_per_token,
         connector=connector,
         block_size=BLOCK,
         max_model_len=(ENGINE_BLOCKS - 1) * BLOCK,

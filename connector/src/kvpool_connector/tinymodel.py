@@ -26,6 +26,11 @@ class ModelShape:
     def head_size(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one token's K and V take in vLLM's cache, float32, over all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_size * 4
+
 
 TINY = ModelShape()  # head size 64: the CPU backend's smallest common size
 # the demo's: big enough that a 2,000-token prefill takes a visible fraction of a second
