@@ -96,18 +96,24 @@ def test_the_index_holds_at_most_max_chunks() -> None:
 
 
 def test_a_block_prefix_key_finds_the_stored_chunk_that_holds_it_until_that_chunk_goes() -> None:
-    idx, _ = index(capacity=2048, max_chunks=3)
-    full, p1, p2 = "f" * 32, "1" * 32, "2" * 32
+    idx, _ = index(capacity=2048, max_chunks=4)
+    full, p1, p2, p3, p4, p5 = "f" * 32, "1" * 32, "2" * 32, "3" * 32, "4" * 32, "5" * 32
     e = idx.reserve(full, 1024, 0, set(), prefixes=[p1, p2])
     assert e is not None and idx.loadable(p1) is None  # reserved: not loadable by any name yet
     idx.commit(slot_of(e), 7)
     assert idx.loadable(p1) is e and idx.loadable(p2) is e and idx.stored(p1) is None
-    other = idx.reserve("o" * 32, 512, 0, set(), prefixes=[p1, "3" * 32, "4" * 32])
-    assert other is not None
+    # the bound: prefix keys held, reserved or stored, are at most max_chunks (4): two more fit
+    other = idx.reserve("o" * 32, 512, 0, set(), prefixes=[p1, p3, p4, p5])
+    assert other is not None and other.prefixes == (p1, p3)
     idx.commit(slot_of(other), 8)
     assert idx.loadable(p1) is e  # the first chunk stored keeps the prefix
-    assert other.prefixes == ("3" * 32,)  # the bound (max_chunks aliases) kept out the last one
-    assert idx.loadable("4" * 32) is None
-    idx.drop(e)  # evicted or corrupt: its prefixes find nothing any more
+    assert other.prefixes == (p3,) and idx.loadable(p4) is None
+    pending = idx.reserve("p" * 32, 0, 0, set(), prefixes=["6" * 32, "7" * 32])  # p1's place came back
+    assert pending is not None and pending.prefixes == ("6" * 32,)
+    full_up = idx.reserve("q" * 32, 0, 0, set(), prefixes=["8" * 32])
+    assert full_up is not None and full_up.prefixes == ()  # reserved all the same, only without
+    idx.drop(e)  # evicted or corrupt: its prefixes find nothing any more, and free their places
     assert idx.loadable(p1) is None and idx.loadable(p2) is None
-    assert idx.loadable("3" * 32) is other
+    assert idx.loadable(p3) is other
+    later = idx.reserve("r" * 32, 0, 0, set(), prefixes=[p4, p5, "9" * 32])
+    assert later is not None and later.prefixes == (p4, p5)

@@ -1,9 +1,9 @@
 """The operator's memory formula for the sidecar container against the real sidecar's memory.
 
 The real sidecar runs with its arena on tmpfs (a pod's emptyDir with medium Memory), its index filled
-to the --max-chunks default, a full chunk of --max-chunk-bytes stored and read back; its peak resident
-memory (arena pages, libraries, heap) plus its page tables must fit the limit the webhook gives it, or
-the kernel OOM-kills it and takes the cache down.
+to the --max-chunks default (chunks and block-prefix keys), a full chunk of --max-chunk-bytes stored
+and read back; its peak resident memory (arena pages, libraries, heap) plus its page tables must fit
+the limit the webhook gives it, or the kernel OOM-kills it and takes the cache down.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def test_the_sidecars_peak_memory_fits_the_limit_the_webhook_gives_it(capacity: 
             assert client.put("ff" * 16, big) and client.get("ff" * 16) == big  # a largest chunk in flight
             del big
             keys = [(f"{i:032x}", 64) for i in range(SIDECAR_MAX_CHUNKS)]
+            # each with a block prefix's key, of which the index also holds at most --max-chunks
+            prefixes = {k: [f"{i + SIDECAR_MAX_CHUNKS:032x}"] for i, (k, _) in enumerate(keys)}
             for start in range(0, len(keys), BATCH):  # the index at its bound: tiny chunks
-                slots = client.reserve(keys[start : start + BATCH])
+                slots = client.reserve(keys[start : start + BATCH], prefixes=prefixes)
                 assert all(client.commit([(s, 0) for s in slots if s is not None]))
             assert client.stats()["chunks"] >= SIDECAR_MAX_CHUNKS - 1
             used = memory(proc.popen.pid)

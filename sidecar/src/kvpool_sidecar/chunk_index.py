@@ -78,8 +78,10 @@ class ChunkIndex:
         self._alloc = Allocator(capacity, base)
         self._entries: dict[str, Entry] = {}
         # A block prefix's key -> the stored chunk whose first blocks it is (the first one stored
-        # wins); at most max_chunks of them, so the index's memory stays bounded.
+        # wins). Prefix keys held by entries, reserved or stored, are at most max_chunks, so the
+        # index's memory stays bounded whatever clients send; beyond that a chunk is saved without.
         self._aliases: dict[str, Entry] = {}
+        self._prefixes_held = 0
         # Evictable order: per priority value an LRU of stored entries (oldest first).
         self._lru: dict[int, OrderedDict[str, Entry]] = {}
         self._priorities: list[int] = []  # sorted keys of _lru
@@ -140,6 +142,8 @@ class ChunkIndex:
         offset = self._allocate(length, protect)
         if offset is None:
             return None
+        kept = tuple(prefixes[: max(0, self.max_chunks - self._prefixes_held)])
+        self._prefixes_held += len(kept)
         e = Entry(
             key,
             offset,
@@ -148,7 +152,7 @@ class ChunkIndex:
             deadline=self.clock() + self.lease_seconds,
             gen=next(self._gens),
             group=group,
-            prefixes=tuple(prefixes),
+            prefixes=kept,
         )
         self._entries[key] = e
         return e
@@ -184,15 +188,10 @@ class ChunkIndex:
         e.checksum = digest
         self._link(e)
         self.stored_bytes += e.length
-        # only the aliases that got in are kept (a prefix another chunk already names, or beyond the
-        # bound, costs nothing more)
-        mine = []
-        for alias in e.prefixes:
-            if len(self._aliases) >= self.max_chunks:
-                break
-            if self._aliases.setdefault(alias, e) is e:
-                mine.append(alias)
-        e.prefixes = tuple(mine)
+        # only the aliases that got in are kept (a prefix another chunk already names costs nothing)
+        mine = tuple(alias for alias in e.prefixes if self._aliases.setdefault(alias, e) is e)
+        self._prefixes_held -= len(e.prefixes) - len(mine)
+        e.prefixes = mine
 
     def abort(self, slot: Slot) -> None:
         if (e := self.reserved(slot)) is not None:
@@ -268,6 +267,7 @@ class ChunkIndex:
         for alias in e.prefixes:
             if self._aliases.get(alias) is e:
                 del self._aliases[alias]
+        self._prefixes_held -= len(e.prefixes)
         if e.stored:
             self._unlink(e)
             self.stored_bytes -= e.length
