@@ -150,13 +150,13 @@ def test_a_hung_sidecar_holds_one_lookup_then_the_breaker_answers(tiny_model, si
 
     from schedkit import run_to_end, store_chunks
 
-    from kvpool_connector.scheduler import BREAKER_SECONDS
+    from kvpool_connector.breaker import BREAKER_SECONDS, Breaker
     from kvpool_sidecar.client import SidecarClient
 
     proc = sidecar_factory("16Mi")
     s = make_scheduler(tiny_model, proc.info["url"], timeout_ms=300)
     now = [0.0]
-    s.connector.scheduler._clock = lambda: now[0]
+    s.connector.scheduler._breaker = Breaker(lambda: now[0])
     proc.popen.send_signal(signal.SIGSTOP)
     try:
         for i in range(3):

@@ -3,9 +3,12 @@ another one, bit-exact; a chunk the sidecar cannot serve becomes load errors, ne
 
 from __future__ import annotations
 
+import signal
+
 import torch
 from workerkit import Layers, chunk_ops, make_layers, run_loads
 
+from kvpool_connector.breaker import BREAKER_SECONDS, Breaker
 from kvpool_connector.common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import rank_key
@@ -64,6 +67,31 @@ def test_other_rank_sees_nothing_and_dead_sidecar_is_errors_not_exceptions(sidec
     assert run_loads(w0, meta) == {0, 1}
     w0.finish_step(KVPoolMetadata(saves=[SaveSpec("x", 0, chunk_ops([[2, 3]]))]))  # no exception
     assert w0.take_stats().data["sidecar_errors"] >= 2
+
+
+def test_a_hung_sidecar_costs_one_save_timeout_then_saves_skip_it_until_the_breaker_closes(
+    sidecar_factory,
+) -> None:
+    """A step's saves run at its end, inside vLLM's step: with the sidecar hung, one save waits out
+    its timeout; the next steps' saves are skipped without asking (else every step would wait)."""
+    proc = sidecar_factory("16Mi")
+    w = KVPoolWorker(KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64, timeout_ms=300), rank=0)
+    w.register_kv_caches(make_layers(4))
+    now = [0.0]
+    w._save_breaker = Breaker(lambda: now[0])
+    proc.popen.send_signal(signal.SIGSTOP)
+    try:
+        w.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, chunk_ops([[0, 1]]))]))
+        stats = w.take_stats().data
+        assert (stats["sidecar_errors"], stats["saved_chunks"]) == (1, 0)
+        w.finish_step(KVPoolMetadata(saves=[SaveSpec("b", 0, chunk_ops([[2, 3]]))]))
+        stats = w.take_stats().data  # not asked: asking a stopped sidecar would have timed out again
+        assert (stats["sidecar_errors"], stats["save_skipped_chunks"]) == (0, 1)
+    finally:
+        proc.popen.send_signal(signal.SIGCONT)
+    now[0] += BREAKER_SECONDS
+    w.finish_step(KVPoolMetadata(saves=[SaveSpec("c", 0, chunk_ops([[4, 5]]))]))
+    assert w.take_stats().data["saved_chunks"] == 1
 
 
 def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(sidecar_factory) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarTimeout
 
+from .breaker import BREAKER_SECONDS, Breaker
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig
 from .keys import Extras, Namespace, chain, rank_key
@@ -26,10 +27,6 @@ if TYPE_CHECKING:
 
 log = connector_logger(__name__)
 SKIP_SAVE_PARAM = "kvpool.skip_save"
-# After a lookup times out (the sidecar hung), lookups are misses without asking for this long: a
-# lookup runs inside vLLM's schedule(), so each one that waits out its timeout stalls every request.
-# A sidecar that is simply gone fails at once (connection refused) and stalls nothing: no breaker.
-BREAKER_SECONDS = 5.0
 
 
 @dataclass
@@ -57,8 +54,10 @@ class KVPoolScheduler:
         self.seed = namespace.seed()
         # every rank that stores a copy of each chunk: a hit means all of them have it
         self.ranks = namespace.tp_size * namespace.pp_size
-        self._clock = clock
-        self._breaker_until = 0.0
+        # After a lookup times out (the sidecar hung), lookups are misses without asking for a while:
+        # a lookup runs inside vLLM's schedule(), so each one that waits out its timeout stalls every
+        # request. A sidecar that is simply gone fails at once (connection refused): no breaker.
+        self._breaker = Breaker(clock)
         self._warn = RateLimitedLog(log)
         self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
         self.reqs: dict[str, _ReqState] = {}
@@ -127,7 +126,7 @@ class KVPoolScheduler:
         links = self._links(st, spans)
         if links is None:
             return 0, False
-        if self._clock() < self._breaker_until:
+        if self._breaker.open:
             self.stats.add("lookups_skipped")
             return 0, False
         # chunk by chunk, every rank's key: the prefix found, in whole chunks, is what all ranks have
@@ -140,7 +139,7 @@ class KVPoolScheduler:
                 hit_spans.append(tail)
         except SidecarTimeout as e:
             self.stats.add("lookup_errors")
-            self._breaker_until = self._clock() + BREAKER_SECONDS
+            self._breaker.trip()
             self._warn.warning("lookup", "kvpool lookup timed out: misses for %.0f s: %s", BREAKER_SECONDS, e)
             return 0, False
         except SidecarError as e:  # an unreachable sidecar is a miss

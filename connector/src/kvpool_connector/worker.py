@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarRefused, Slot, checksum
+from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarRefused, SidecarTimeout, Slot, checksum
 
 from .arena_mapping import ArenaMapping
+from .breaker import Breaker
 from .chunk_io import ChunkIO
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig
@@ -93,6 +94,7 @@ class KVPoolWorker:
         self._saves_of: KVPoolMetadata | None = None  # the step _saves belong to
         self._layers_out: set[int] = set()  # layers of _saves already queued
         self._saves_refused = False  # the sidecar refused this worker's chunks: saving is off
+        self._save_breaker = Breaker()  # a save waited out its timeout: the next steps do not wait
         self._warn = RateLimitedLog(log)
 
     # --- setup -----------------------------------------------------------------------------------
@@ -288,6 +290,9 @@ class KVPoolWorker:
             saves = [] if self._saves_refused else self._planned(meta.saves)
         if not saves:
             return
+        if self._save_breaker.open:  # the sidecar is hung: a step's end never waits on it again
+            self.stats.add("save_skipped_chunks", len(saves))
+            return
         t0 = time.perf_counter()
         try:
             self._save(saves)
@@ -317,11 +322,17 @@ class KVPoolWorker:
         except SidecarRefused as e:
             self._refused(e)
             committed = []
+        except SidecarTimeout as e:
+            self._save_breaker.trip()
+            self.stats.add("sidecar_errors")
+            seconds = self._save_breaker.seconds
+            self._warn.warning("save-timeout", "kvpool: a save timed out, none for %.0f s: %s", seconds, e)
+            committed = []
         except SidecarError as e:
             self.stats.add("sidecar_errors")
             self._warn.warning("save", "kvpool: saving %d chunks failed: %s", len(saves), e)
             committed = []
-        if len(committed) < len(reserved):
+        if len(committed) < len(reserved) and not self._save_breaker.open:
             with contextlib.suppress(SidecarError):  # the reservations expire by themselves too
                 self.client.abort(reserved)
         done = [slot for (slot, _), ok in zip(written, committed, strict=False) if ok]
