@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from kvpool_connector.config import KVPoolConfig, load_config
+from kvpool_connector.connector import check_failure_policy
 from kvpool_connector.keys import Namespace, chain, chunk_keys, rank_key
 from kvpool_connector.spans import decode_spans, prompt_spans
 
@@ -137,3 +138,17 @@ def test_config_module_imports_without_torch_or_vllm() -> None:
         "bad = {'torch', 'vllm'} & set(sys.modules); assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_connector_refuses_vllms_default_failure_policy() -> None:
+    """vLLM's default `fail` turns every cache race (a chunk evicted between lookup and load) into a
+    failed user request: the connector refuses to start with it and says what to set."""
+    from vllm.config import KVTransferConfig
+
+    def config(**policy: str) -> KVTransferConfig:
+        return KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both", **policy)
+
+    check_failure_policy(config(kv_load_failure_policy="recompute"))
+    for refused in (config(), config(kv_load_failure_policy="fail")):
+        with pytest.raises(ValueError, match="kv_load_failure_policy='recompute'"):
+            check_failure_policy(refused)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -12,9 +13,12 @@ class RateLimitedLog:
     """One message per kind per `interval` seconds; the next one says how many were held back. A line
     names the caller's file and line, not this one's."""
 
-    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval: float = 10.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._log = logger
         self._interval = interval
+        self._clock = clock
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -27,7 +31,7 @@ class RateLimitedLog:
         self._emit(kind, logging.ERROR, msg, args, exc_info=True)
 
     def _emit(self, kind: str, level: int, msg: str, args: tuple[Any, ...], exc_info: bool) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             if now - self._last.get(kind, -self._interval) < self._interval:
                 self._held[kind] = self._held.get(kind, 0) + 1

@@ -269,10 +269,9 @@ class KVPoolWorker:
             return
         try:
             self._copy_out_cuda(meta, [i])
-        except Exception as e:
-            self._warn.warning(
-                "save", "kvpool: copying out layer %s failed, no save this step: %r", layer_name, e
-            )
+        except Exception:  # a bug or a CUDA error: no save this step, never a failed forward
+            msg = "kvpool: copying out layer %s failed, no save this step"
+            self._warn.exception("save-copy", msg, layer_name)
             self._saves = []
 
     def finish_step(self, meta: KVPoolMetadata) -> None:
@@ -281,8 +280,8 @@ class KVPoolWorker:
             try:
                 if meta.saves:
                     self._copy_out_cuda(meta, list(range(len(self.io.layers))))
-            except Exception as e:
-                self._warn.warning("save", "kvpool: copying out failed, no save this step: %r", e)
+            except Exception:
+                self._warn.exception("save-copy", "kvpool: copying out failed, no save this step")
                 self._saves = []
             self._stream.synchronize()  # the bounce buffers are complete: vLLM may reuse the blocks
             saves, self._saves, self._saves_of = self._saves, [], None
