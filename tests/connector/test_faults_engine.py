@@ -106,6 +106,7 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         redis.proc.popen.send_signal(signal.SIGSTOP)  # Redis hangs
         try:
             s["hung"] = _run(b, "hung")
+            s["hung_redis"] = SidecarClient(fresh.info["url"], timeout=5).stats()["tiers"]["redis"]
         finally:
             redis.proc.popen.send_signal(signal.SIGCONT)
         b.finish()
@@ -150,6 +151,10 @@ def test_redis_evicting_and_hung_change_no_output(story) -> None:
     assert story["evicted_keys"] > 0
     _same(story["evicted"], story["cold"]["D"])
     _same(story["hung"], story["cold"]["E"])
+    assert story["hung_redis"]["shards_up"] == 0  # the sidecar's lookup found Redis hung, within its budget
+    # and answered the engine's lookup in time: none waited out the connector's timeout, which would
+    # have stalled the engine's schedule() for it
+    assert "lookup timed out" not in story["logs"]
     assert "Traceback" not in story["logs"]
 
 
