@@ -1,6 +1,7 @@
 """Faults under the real vLLM CPU engine with prefix caching on (the production setting), real
 sidecar processes and a real redis-server: a sidecar killed and restarted while a prompt is being
-saved, reservations that expire under a slow writer, Redis evicting under memory pressure, Redis hung.
+saved, reservations that expire under a slow writer, Redis evicting under memory pressure, Redis hung,
+a sidecar that refuses chunks as large as the engine's.
 
 Every case ends with outputs bit-identical to a clean cold run's, and with no wrong byte in any tier:
 every chunk a faulty pod or Redis still holds equals the clean run's chunk under that key (the same
@@ -55,6 +56,7 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
     pod = start_sidecar(d / "pod", "64Mi", [redis.url])
     fresh = start_sidecar(d / "fresh", "64Mi", [redis.url])  # another pod: loads from Redis only
     s: dict[str, Any] = {"clean": SidecarClient(clean.info["url"], timeout=5)}
+    small = None
     engines: list[Engine] = []
     try:
         ref = _engine(d, "ref", tiny_model, clean.info["url"], {p: p for p in PROMPTS})
@@ -111,13 +113,22 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
             redis.proc.popen.send_signal(signal.SIGCONT)
         b.finish()
         s["fresh"] = SidecarClient(fresh.info["url"], timeout=5)
+        # a sidecar that takes smaller chunks than this engine's (as a 70B model's at TP 1 with a
+        # small --max-chunk-bytes): saving is off from the start with one clear error, nothing else
+        small = start_sidecar(d / "small", "64Mi", [], "--max-chunk-bytes", "65536")
+        c = _engine(d, "c", tiny_model, small.info["url"], {"A": "A"})
+        engines.append(c.start())
+        s["oversized"] = _run(c, "A")
+        c.finish()
+        s["oversized_log"] = c.log.read_text(errors="replace")
+        s["small"] = SidecarClient(small.info["url"], timeout=5).stats()
         s["logs"] = "".join(e.log.read_text(errors="replace") for e in engines)
         s["redis_reader"] = start_sidecar(d / "reader", "64Mi", [redis.url])  # reads Redis's copies
         yield s
     finally:
         for e in engines:
             e.kill()
-        for proc in (clean, pod, fresh, s.get("redis_reader")):
+        for proc in (clean, pod, fresh, small, s.get("redis_reader")):
             if proc is not None:
                 proc.stop()
         redis.stop()
@@ -156,6 +167,12 @@ def test_redis_evicting_and_hung_change_no_output(story) -> None:
     # have stalled the engine's schedule() for it
     assert "lookup timed out" not in story["logs"]
     assert "Traceback" not in story["logs"]
+
+
+def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_once_and_change_no_output(story) -> None:
+    _same(story["oversized"], story["cold"]["A"])
+    assert story["oversized_log"].count("refuses this worker's chunks") == 1  # one worker, one line
+    assert (story["small"]["chunks"], story["small"]["bytes_in"]) == (0, 0)
 
 
 def test_no_wrong_byte_in_any_tier(story, tiny_model) -> None:

@@ -1,0 +1,171 @@
+"""Asynchronous loads (vLLM's load_kv_async), on one copy thread: a request whose chunks are loading
+waits, computing nothing, while the thread pins its chunks (promoting them from Redis when needed),
+copies them into its blocks, checks each chunk's checksum over what it loaded and gives the pin back.
+The request is reported finished (get_finished) together with the blocks that failed, in the same
+step, so vLLM recomputes them before anything is computed over them."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool_sidecar.client import SidecarClient, SidecarError, Slot, checksum
+
+from .arena_mapping import ArenaMapping
+from .chunk_io import ChunkIO
+from .common import ChunkOp, KVPoolMetadata, LoadSpec
+from .keys import rank_key
+from .metrics import KVPoolStats
+from .ratelimit import RateLimitedLog
+
+IDLE_WAIT_SECONDS = 0.02  # the longest an idle step waits for a load (new requests wait that long)
+
+
+def _off_compute_cores() -> None:
+    """Moves the copy thread off the cores the forward is bound to (it inherits their affinity),
+    so on CPU the loads overlap the forward of the other requests."""
+    mine = os.sched_getaffinity(0)
+    others = set(range(os.cpu_count() or 1)) - mine
+    if others:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, others)
+
+
+@dataclass
+class _Loaded:
+    """What one request's load did (on this rank)."""
+
+    req_id: str
+    failed_blocks: list[int] = field(default_factory=list)
+    chunks: int = 0
+    blocks: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+
+
+class ChunkLoader:
+    """One rank's loads. `io`, `mapping` and `stream` are the worker's (set when vLLM registers its KV
+    caches); the copy thread is the only one that loads, so a request's chunks load in order."""
+
+    def __init__(self, client: SidecarClient, rank: int, stats: KVPoolStats, warn: RateLimitedLog) -> None:
+        self.client, self.rank, self.stats, self._warn = client, rank, stats, warn
+        self.io = ChunkIO([])
+        self.mapping: ArenaMapping | None = None
+        self.stream: torch.cuda.Stream | None = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load", initializer=_off_compute_cores)
+        self._loading: dict[str, Future[_Loaded]] = {}
+        self._finished: set[str] = set()  # loads done, not yet reported
+        self._failed_blocks: set[int] = set()  # their blocks that failed, reported with them
+
+    def attach(self, io: ChunkIO, mapping: ArenaMapping, stream: torch.cuda.Stream | None) -> None:
+        self.io, self.mapping, self.stream = io, mapping, stream
+        self._thread.submit(torch.zeros(1).copy_, torch.ones(1)).result()  # started now, not in a request
+
+    def start(self, meta: KVPoolMetadata) -> None:
+        """Hands this step's loads to the copy thread; returns at once."""
+        for spec in meta.loads:
+            self._loading[spec.req_id] = self._thread.submit(self._load, spec)
+
+    def get_finished(self, wait: bool = False) -> set[str]:
+        """Requests whose load has ended on this rank; their failed blocks are in take_load_errors()
+        of this same step (vLLM asks for both after each step, in that order).
+        wait: the step computed nothing, so the engine would only spin through empty steps until a
+        load ends, each taking a core from the copy thread (measured: a 31 MiB load took 60-90 ms
+        among the spinning steps against about 10 ms alone): wait for one, up to IDLE_WAIT_SECONDS."""
+        if wait and self._loading:
+            concurrent.futures.wait(
+                list(self._loading.values()), IDLE_WAIT_SECONDS, concurrent.futures.FIRST_COMPLETED
+            )
+        for req_id in [r for r, f in self._loading.items() if f.done()]:
+            loaded = self._loading.pop(req_id).result()
+            self._finished.add(req_id)
+            self._failed_blocks.update(loaded.failed_blocks)
+            for name, value in (
+                ("loaded_chunks", loaded.chunks),
+                ("loaded_bytes", loaded.blocks * self.io.block_bytes),
+                ("corrupt_chunks", loaded.corrupt),
+                ("sidecar_errors", loaded.errors),
+                ("load_failed_blocks", len(loaded.failed_blocks)),
+                ("load_seconds", loaded.seconds),
+            ):
+                if value:
+                    self.stats.add(name, value)
+        done, self._finished = self._finished, set()
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def shutdown(self) -> None:
+        self._thread.shutdown(wait=True)  # no copy reads the arena after this
+
+    # --- on the copy thread ------------------------------------------------------------------------
+
+    def _load(self, spec: LoadSpec) -> _Loaded:
+        """One request's chunks, in order, up to the first that fails."""
+        t0 = time.perf_counter()
+        out = _Loaded(spec.req_id)
+        ops = spec.chunks
+        good = 0
+        try:
+            pinned = self.client.pin([rank_key(op.link, self.rank) for op in ops], verify=False)
+            try:
+                for op, slot in zip(ops, pinned.slots, strict=False):
+                    if not self._load_chunk(op, slot):
+                        out.corrupt += 1
+                        break
+                    good += 1
+            finally:
+                with contextlib.suppress(SidecarError):  # a lease expires by itself
+                    self.client.release(pinned.lease)
+        except SidecarError as e:  # unreachable, refused, or restarted: a recompute
+            out.errors += 1
+            self._warn.warning("load", "kvpool: load of %s failed, vLLM recomputes it: %s", spec.req_id, e)
+        except Exception:  # a bug: still only a recompute, never a failed request
+            out.errors += 1
+            self._warn.exception("load-bug", "kvpool: load of %s failed, vLLM recomputes it", spec.req_id)
+        out.chunks = good
+        out.blocks = sum(len(op.block_ids) for op in ops[:good])
+        out.failed_blocks = [b for op in ops[good:] for b in op.block_ids]
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _load_chunk(self, op: ChunkOp, slot: Slot) -> bool:
+        """Loads one pinned chunk; False (the sidecar told to drop it) when its bytes are wrong."""
+        assert self.mapping is not None, "loads start only after the KV caches are registered"
+        expected = self.io.chunk_bytes(op.chunk_blocks)
+        if slot.length != expected:
+            # found by a block prefix's key: the first blocks of a longer chunk
+            blocks, rest = divmod(slot.length, self.io.block_bytes) if self.io.block_bytes else (0, 1)
+            if rest or blocks < op.first_block + len(op.block_ids):
+                self._warn.warning(
+                    "geometry", "kvpool: chunk %s has %d bytes, expected %d", slot.key, slot.length, expected
+                )
+                return False
+            op = dataclasses.replace(op, chunk_blocks=blocks)
+        chunk = self.mapping.tensor(slot.epoch)[slot.offset : slot.offset + slot.length]
+        if self.stream is None:
+            ok = self.io.load_cpu(chunk, op) == slot.checksum
+        else:
+            bounce = self.io.bounce(op.chunk_blocks)
+            bounce.copy_(chunk)
+            ok = checksum(bounce.numpy()) == slot.checksum
+            if ok:
+                self.io.load_cuda(bounce, op, self.stream)
+                self.stream.synchronize()
+        if not ok:
+            self._warn.warning("corrupt", "kvpool: chunk %s failed its checksum: dropped", slot.key)
+            try:
+                self.client.verify([slot.key])  # the sidecar re-checks and drops it
+            except SidecarError as e:
+                self._warn.warning("verify", "kvpool: could not have the sidecar drop %s: %s", slot.key, e)
+        return ok
