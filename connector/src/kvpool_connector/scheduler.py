@@ -151,7 +151,7 @@ class KVPoolScheduler:
             return 0, False
         st.lookup = (num_computed_tokens, hit_spans)
         # Loaded asynchronously: the request computes nothing until every rank has loaded and
-        # checked its chunks, and vLLM has taken back the blocks that failed (see worker.py).
+        # checked its chunks, and vLLM has taken back the blocks that failed (see loader.py).
         return end - num_computed_tokens, True
 
     def _saved_tail(self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int) -> Span | None:
