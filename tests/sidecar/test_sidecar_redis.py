@@ -241,3 +241,20 @@ def test_first_whole_group_found_in_the_cpu_tier_or_through_redis(sidecar_factor
     req = urllib.request.Request(a.info["url"] + "/v1/lookup", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert json.loads(r.read()) == {"hits": 0, "alternative": None}
+
+
+def test_a_lookup_through_redis_counts_as_a_use_of_the_chunk(sidecar_factory, redis) -> None:
+    """Redis evicts by recency (the chart's allkeys-lru): a chunk the pool's pods keep looking up is in
+    use, or a hot shared prefix would be among the first evicted. A lookup asks Redis with TOUCH, which
+    answers as EXISTS does and counts as a use."""
+    a, b = sidecar_factory("16Mi", [redis.url]), sidecar_factory("16Mi", [redis.url])
+    k = key(1, "hot")
+    assert save(client(a), {k: payload(1000, 1)}) == [k]
+    wait_until(lambda: redis_stats(client(a))["written"] == 1, 30, "the write-behind")
+
+    def idle() -> int:  # seconds since Redis last saw the chunk used
+        return int(redis_call(redis.port, "OBJECT", "IDLETIME", chunk_key(k))[1:].split(b"\r")[0])
+
+    before = wait_until(lambda: (n := idle()) >= 3 and n, 30, "the chunk idle in Redis for 3 s")
+    assert client(b).lookup([k, key(2, "absent")]) == 1  # b's CPU tier misses: Redis is asked
+    assert idle() < before - 1

@@ -429,8 +429,10 @@ class RedisTier:
     # --- reads --------------------------------------------------------------------------------------
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Pipelined EXISTS of each key, one round trip per shard, within LOOKUP_BUDGET_SECONDS; a shard
-        that is down, or does not answer in time (then marked down), says no."""
+        """Whether each key is in Redis: a pipelined TOUCH of each (it answers as EXISTS does, and counts
+        as a use, so chunks that pods keep looking up stay the most recent under LRU eviction), one
+        round trip per shard, within LOOKUP_BUDGET_SECONDS; a shard that is down, or does not answer
+        in time (then marked down), says no."""
         by_shard: dict[int, tuple[Shard, list[int]]] = {}
         for i, key in enumerate(keys):
             shard = self.shard_for(key)
@@ -442,7 +444,8 @@ class RedisTier:
                 assert shard.lookup_client is not None  # an up shard has both clients
                 pipe = shard.lookup_client.pipeline(transaction=False)
                 for i in idx:
-                    pipe.exists(chunk_key(keys[i]))
+                    # (not pipe.touch: in a cluster pipeline, redis-py's returns no replies)
+                    pipe.execute_command("TOUCH", chunk_key(keys[i]))
                 for i, n in zip(idx, pipe.execute(), strict=True):
                     found[i] = bool(n)
             except _ERRORS as e:
