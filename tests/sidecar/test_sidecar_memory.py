@@ -59,7 +59,9 @@ def test_the_sidecars_peak_memory_fits_the_limit_the_webhook_gives_it(capacity: 
     limit = sidecar_memory_bytes(arena) / 2**20
     print(f"\n{capacity}: peak RSS {mib['VmHWM']} MiB + page tables {mib['VmPTE']} MiB "
           f"(anon {mib['RssAnon']}, arena {mib['RssShmem']}); limit {limit:.1f} MiB")  # fmt: skip
-    assert used["RssShmem"] >= arena  # the arena really is resident: it is what the formula is for
+    # the arena really is resident: it is what the formula is for (within 1 MiB: the kernel's RSS
+    # counters in /proc are kept per thread and folded in lazily, so they lag by some pages)
+    assert used["RssShmem"] >= arena - 2**20
     assert peak <= sidecar_memory_bytes(arena)
     # the page tables grow with the arena (2 MiB per GiB): no fixed overhead would hold at 100 GiB
     assert used["VmPTE"] <= arena // PAGE_TABLE_DIVISOR + 2**20
