@@ -27,24 +27,25 @@ CHUNK = 64
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_LOGGING_LEVEL": "INFO"}
 
 
-def tiny_namespace(model: Path) -> Namespace:
-    """The namespace the engine computes for the tiny model on the CPU backend (LBHNC layout)."""
+def tiny_namespace(model: Path, tp_size: int = 1) -> Namespace:
+    """The namespace the engine computes for the tiny model on the CPU backend (LBHNC layout); each
+    of `tp_size` ranks holds its share of the KV heads."""
     return Namespace(
         str(model),
         "float32",
         "FullAttentionSpec:LBHNC",
         TINY.layers,
-        TINY.kv_heads,
+        TINY.kv_heads // tp_size,
         TINY.head_size,
         BLOCK,
         CHUNK,
-        1,
+        tp_size,
         weights=f"files:{weights_fingerprint(model)}",
     )
 
 
-def prompt_keys(model: Path, tokens: list[int]) -> list[str]:
-    keys = chunk_keys(tiny_namespace(model), tokens)
+def prompt_keys(model: Path, tokens: list[int], tp_size: int = 1, rank: int = 0) -> list[str]:
+    keys = chunk_keys(tiny_namespace(model, tp_size), tokens, rank)
     return keys[: len(tokens) // CHUNK]  # full chunks only
 
 
@@ -65,6 +66,7 @@ class Engine:
     spec: dict[str, Any]
     proc: subprocess.Popen | None = None
     log: Path = field(init=False)
+    env: dict[str, str] = field(default_factory=dict)  # over ENGINE_ENV (TP 2: a core per rank)
 
     def __post_init__(self) -> None:
         self.log = self.dir / f"{self.name}.log"
@@ -84,7 +86,7 @@ class Engine:
                 [sys.executable, "-m", "kvpool_connector.engine_run", str(spec_path), str(self.out)],
                 stdout=f,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **ENGINE_ENV},
+                env={**os.environ, **ENGINE_ENV, **self.env},
             )
         return self
 
