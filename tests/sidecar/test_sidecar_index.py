@@ -69,6 +69,17 @@ def test_a_lease_released_before_its_pin_pins_nothing() -> None:
     assert not idx.pin_into(e, lease)  # a promotion finishing after the release pins nothing
 
 
+def test_a_chunk_saved_again_counts_as_used() -> None:
+    """A hot prefix that every request saves again stays recent, as one every request looks up does."""
+    idx, _ = index(capacity=3 * 1024)
+    keys = [c * 32 for c in "abc"]
+    for i, k in enumerate(keys):
+        idx.commit(slot_of(idx.reserve(k, 1024, 0, set())), i)
+    assert idx.reserve(keys[0], 1024, 0, set()) is None  # stored: nothing to write, but now recent
+    assert idx.reserve("d" * 32, 1024, 0, set()) is not None  # evicts keys[1], not the oldest saved
+    assert idx.stored(keys[0]) and idx.stored(keys[1]) is None
+
+
 def test_eviction_takes_the_worst_priority_then_the_least_recent_never_a_pinned_one() -> None:
     idx, _ = index(capacity=4 * 1024)
     keys = [c * 32 for c in "abcd"]
