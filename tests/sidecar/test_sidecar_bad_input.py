@@ -12,6 +12,7 @@ from kvtest import Proc, start_sidecar, wait_until
 from sidecar_support import http_json, key
 
 from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.wire import slot_from_json
 
 JSON = {"Content-Type": "application/json"}
 GOOD = key(1)
@@ -150,12 +151,17 @@ def test_control_socket_bad_frames(sidecar) -> None:
             s.connect(path)
             s.sendall(frame)
             (n,) = struct.unpack(">I", s.recv(4))
-            return json.loads(s.recv(n))
+            answer = b""
+            while len(answer) < n:
+                answer += s.recv(n - len(answer))
+            return json.loads(answer)
 
     def frame(body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + body
 
     assert call(frame(b"{not json"))["status"] == 400
+    assert call(frame(b"[" * 5000))["status"] == 400  # too deep for the JSON decoder
+    assert call(frame(b"[1]"))["status"] == 400
     assert call(frame(json.dumps({"op": "explode", "body": {}}).encode()))["status"] == 404
     bad = call(frame(json.dumps({"op": "reserve", "body": {"items": [{"key": "XX", "length": 1}]}}).encode()))
     assert bad["status"] == 422 and bad["body"]["error"]
@@ -164,5 +170,13 @@ def test_control_socket_bad_frames(sidecar) -> None:
     )
     assert big["status"] == 413
     assert call(struct.pack(">I", 2**31))["status"] == 413  # a frame larger than allowed
+    # Frames over 64 KiB are decoded and answered off the event loop, with the same answers.
+    assert call(frame(b"[" * 70000))["status"] == 400
+    items = [{"key": f"{i:064x}", "length": 0} for i in range(65536)]  # the largest batch, one frame
+    bad = call(frame(json.dumps({"op": "reserve", "body": {"items": [*items[:-1], {"key": "XX"}]}}).encode()))
+    assert bad["status"] == 422 and bad["body"]["error"].startswith("items.65535.")
+    whole = call(frame(json.dumps({"op": "reserve", "body": {"items": items}}).encode()))
+    assert whole["status"] == 200 and all(s is not None for s in whole["body"]["slots"])
+    SidecarClient(sidecar.info["url"]).abort([slot_from_json(s, 0) for s in whole["body"]["slots"]])
     assert nothing_committed(SidecarClient(sidecar.info["url"]))
     still_serving(sidecar.info["url"])

@@ -196,8 +196,9 @@ def test_the_write_behind_keeps_every_rank_copy_of_a_chunk_or_none(tmp_path, red
 
 
 def test_lookups_are_answered_while_a_huge_batch_is_reserved(sidecar_factory) -> None:
-    """A 65,536-key reserve (the largest batch) runs off the event loop and takes the index's lock in
-    slices: lookups, which run inside vLLM's schedule(), are answered within their 1 s timeout."""
+    """A 65,536-key reserve (the largest batch) goes in frames of 4,096 keys, each decoded, run and
+    answered off the event loop, taking the index's lock in slices: lookups, which run inside vLLM's
+    schedule(), are answered within their 1 s timeout. (One 65,536-key frame held them ~1 s here.)"""
     proc = sidecar_factory("64Mi")
     c = client(proc, timeout=1.0)
     save(c, {key(1, "hot"): b"h" * 4096})

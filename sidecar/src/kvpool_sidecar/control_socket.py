@@ -42,12 +42,31 @@ def execute(sidecar: Sidecar, op: str, req: BaseModel) -> tuple[int, Any]:
     return 200, result if isinstance(result, dict) else result.model_dump()
 
 
-BIG_FRAME = 64 * 1024  # bytes: a request this big is validated and run off the event loop
+BIG_FRAME = 64 * 1024  # bytes: a request this big is decoded, validated, run and answered off the loop
 
 
-def parse_and_execute(sidecar: Sidecar, op: str, body: Any) -> tuple[int, Any]:
+MALFORMED = encode_frame({"status": 400, "body": {"error": "malformed frame"}})
+
+
+def decode(raw: bytes) -> tuple[str, Any] | None:
+    """(op, body) of a request frame, or None when it is not one."""
+    try:
+        msg = json.loads(raw)
+        return str(msg["op"]), msg.get("body", {})
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # RecursionError: [[[[...
+        return None
+
+
+def answer_big_frame(sidecar: Sidecar, raw: bytes) -> bytes:
+    """The encoded answer to a big frame: each step is a long call holding the GIL, made from a worker
+    thread so that the loop gets its turn between them."""
+    request = decode(raw)
+    if request is None:
+        return MALFORMED
+    op, body = request
     req = parse(op, body)
-    return req if isinstance(req, tuple) else execute(sidecar, op, req)
+    status, answer = req if isinstance(req, tuple) else execute(sidecar, op, req)
+    return encode_frame({"status": status, "body": answer})
 
 
 async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -63,23 +82,23 @@ async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: 
                 writer.write(encode_frame({"status": 413, "body": {"error": "frame too large"}}))
                 return
             raw = await reader.readexactly(size)
-            try:
-                msg = json.loads(raw)
-                op, body = msg["op"], msg.get("body", {})
-            except (ValueError, KeyError, TypeError):
-                writer.write(encode_frame({"status": 400, "body": {"error": "malformed frame"}}))
+            if size > BIG_FRAME:
+                writer.write(await loop.run_in_executor(None, answer_big_frame, sidecar, raw))
                 await writer.drain()
                 continue
-            if size > BIG_FRAME:  # validating a big batch alone takes a while: all of it off the loop
-                status, answer = await loop.run_in_executor(None, parse_and_execute, sidecar, str(op), body)
+            request = decode(raw)
+            if request is None:
+                writer.write(MALFORMED)
+                await writer.drain()
+                continue
+            op, body = request
+            req = parse(op, body)
+            if isinstance(req, tuple):
+                status, answer = req
+            elif control.OPS[op][2](sidecar.store, req):  # hashes or waits on Redis: off the loop
+                status, answer = await loop.run_in_executor(None, execute, sidecar, op, req)
             else:
-                req = parse(str(op), body)
-                if isinstance(req, tuple):
-                    status, answer = req
-                elif control.OPS[op][2](sidecar.store, req):  # hashes or waits on Redis: off the loop
-                    status, answer = await loop.run_in_executor(None, execute, sidecar, op, req)
-                else:
-                    status, answer = execute(sidecar, op, req)
+                status, answer = execute(sidecar, op, req)
             writer.write(encode_frame({"status": status, "body": answer}))
             await writer.drain()
     except (ConnectionError, asyncio.IncompleteReadError):
