@@ -92,11 +92,3 @@ class PagedLayer:
 def host_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(t.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer; numpy's stubs disagree
-
-
-def physical_order(cache: torch.Tensor) -> str:
-    """The in-block dimension order by decreasing stride, e.g. 'HNC' or 'NHC' (for logs and checks)."""
-    names = {4: "BHNC", 3: "BNC", 5: "BSNHC"}.get(cache.dim(), "B" + "X" * (cache.dim() - 1))
-    strides = cache.stride()
-    dims = sorted(range(1, cache.dim()), key=lambda d: -strides[d])
-    return "".join(names[d] for d in dims)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ from typing import Any
 import xxhash
 
 KEY_PATTERN = "^[0-9a-f]{32,128}$"
-_KEY_RE = re.compile(KEY_PATTERN)
 
 ARENA_FILE = "arena"
 CONTROL_SOCKET = "control.sock"
@@ -37,10 +35,6 @@ CONTROL_OPS = ("lookup", "reserve", "commit", "abort", "pin", "verify", "release
 # A Unix-socket frame: 4-byte big-endian length, then that many bytes of UTF-8 JSON.
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 * 1024 * 1024
-
-
-def is_key(key: object) -> bool:
-    return isinstance(key, str) and _KEY_RE.match(key) is not None
 
 
 def checksum(buf: Any) -> int:
