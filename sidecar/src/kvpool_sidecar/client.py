@@ -368,8 +368,6 @@ class SidecarClient:
         groups: key -> the chunk it is one rank's copy of (all ranks name the same group), so the
         write-behind to Redis keeps all of a chunk's copies or none. prefixes: key -> the keys of the
         chunk's block prefixes, which find it once committed (see ChunkIndex.loadable)."""
-        if not items:
-            return []
         groups, prefixes = groups or {}, prefixes or {}
         entries = [
             {
@@ -392,8 +390,6 @@ class SidecarClient:
         over its own source (never over the arena, which a stale writer may have written since).
         False where the sidecar refused: the reservation was no longer this writer's (it expired, or
         the sidecar restarted), so the chunk is not saved."""
-        if not items:
-            return []
         entries = [{**slot_to_json(s), "checksum": digest} for s, digest in items]
         answers = (self._control("commit", {"slots": part}) for part in _slices(entries))
         return [bool(x) for answer in answers for x in answer["committed"]]
@@ -453,7 +449,7 @@ FRAME_ENTRIES = 4096  # entries per reserve/commit/abort/verify frame; a bigger 
 
 def _slices(entries: list[T]) -> Iterator[list[T]]:
     """A batch in frames of FRAME_ENTRIES. The sidecar validates and encodes one frame in single calls
-    that hold the GIL (~5 us an entry): a 65,536-entry frame would hold lookups for half a second."""
+    that hold the GIL (~5 us an entry): one 65,536-entry frame held lookups up to 1.4 s on a 2-core VM."""
     for start in range(0, len(entries), FRAME_ENTRIES):
         yield entries[start : start + FRAME_ENTRIES]
 

@@ -34,39 +34,37 @@ def parse(op: str, body: Any) -> BaseModel | tuple[int, Any]:
         return 422, {"error": f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"}
 
 
-def execute(sidecar: Sidecar, op: str, req: BaseModel) -> tuple[int, Any]:
+MALFORMED = encode_frame({"status": 400, "body": {"error": "malformed frame"}})
+
+
+def prepare(raw: bytes) -> tuple[str, BaseModel] | bytes:
+    """(op, validated request) of a request frame, or the encoded error answer."""
+    try:
+        msg = json.loads(raw)
+        op, body = str(msg["op"]), msg.get("body", {})
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # RecursionError: [[[[...
+        return MALFORMED
+    req = parse(op, body)
+    return encode_frame({"status": req[0], "body": req[1]}) if isinstance(req, tuple) else (op, req)
+
+
+def respond(sidecar: Sidecar, op: str, req: BaseModel) -> bytes:
+    """The encoded answer to a validated request."""
     try:
         result = control.run(sidecar.store, op, req, sidecar.settings.max_chunk_bytes)
     except control.TooLarge as e:
-        return 413, {"error": str(e)}
-    return 200, result if isinstance(result, dict) else result.model_dump()
+        return encode_frame({"status": 413, "body": {"error": str(e)}})
+    return encode_frame({"status": 200, "body": result if isinstance(result, dict) else result.model_dump()})
 
 
 BIG_FRAME = 64 * 1024  # bytes: a request this big is decoded, validated, run and answered off the loop
 
 
-MALFORMED = encode_frame({"status": 400, "body": {"error": "malformed frame"}})
-
-
-def decode(raw: bytes) -> tuple[str, Any] | None:
-    """(op, body) of a request frame, or None when it is not one."""
-    try:
-        msg = json.loads(raw)
-        return str(msg["op"]), msg.get("body", {})
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # RecursionError: [[[[...
-        return None
-
-
 def answer_big_frame(sidecar: Sidecar, raw: bytes) -> bytes:
     """The encoded answer to a big frame: each step is a long call holding the GIL, made from a worker
     thread so that the loop gets its turn between them."""
-    request = decode(raw)
-    if request is None:
-        return MALFORMED
-    op, body = request
-    req = parse(op, body)
-    status, answer = req if isinstance(req, tuple) else execute(sidecar, op, req)
-    return encode_frame({"status": status, "body": answer})
+    prepared = prepare(raw)
+    return prepared if isinstance(prepared, bytes) else respond(sidecar, *prepared)
 
 
 async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -83,23 +81,16 @@ async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: 
                 return
             raw = await reader.readexactly(size)
             if size > BIG_FRAME:
-                writer.write(await loop.run_in_executor(None, answer_big_frame, sidecar, raw))
-                await writer.drain()
-                continue
-            request = decode(raw)
-            if request is None:
-                writer.write(MALFORMED)
-                await writer.drain()
-                continue
-            op, body = request
-            req = parse(op, body)
-            if isinstance(req, tuple):
-                status, answer = req
-            elif control.OPS[op][2](sidecar.store, req):  # hashes or waits on Redis: off the loop
-                status, answer = await loop.run_in_executor(None, execute, sidecar, op, req)
+                answer = await loop.run_in_executor(None, answer_big_frame, sidecar, raw)
             else:
-                status, answer = execute(sidecar, op, req)
-            writer.write(encode_frame({"status": status, "body": answer}))
+                prepared = prepare(raw)
+                if isinstance(prepared, bytes):
+                    answer = prepared
+                elif control.OPS[prepared[0]][2](sidecar.store, prepared[1]):  # hashes or asks Redis
+                    answer = await loop.run_in_executor(None, respond, sidecar, *prepared)
+                else:
+                    answer = respond(sidecar, *prepared)
+            writer.write(answer)
             await writer.drain()
     except (ConnectionError, asyncio.IncompleteReadError):
         return
