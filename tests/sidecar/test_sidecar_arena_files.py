@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvtest import start_sidecar
-from sidecar_support import key, load, save
+from sidecar_support import http_json, key, load, save
 
 from kvpool_sidecar.client import SidecarClient
 from kvpool_sidecar.wire import ARENA_HEADER_BYTES
@@ -88,3 +88,32 @@ def test_an_arena_dir_that_is_a_symlink_is_refused(tmp_path) -> None:
     run = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert run.returncode == 1 and "not a symlink" in run.stderr and "Traceback" not in run.stderr
     assert not (real / "arena").exists()
+
+
+def test_a_header_changed_behind_the_sidecar_reinitialises_the_arena_instead_of_offering(
+    tmp_path,
+) -> None:
+    """A rogue writer (or memory corruption) changed the arena's header: clients would refuse every
+    offset the sidecar hands out, so it must stop offering what it stored, say so, and serve anew."""
+    proc = start_sidecar(tmp_path, "1Mi")
+    arena_dir: Path = proc.info["arena_dir"]
+    try:
+        c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(arena_dir))
+        chunks = {key(i, "hdr"): bytes([i]) * 4096 for i in range(3)}
+        save(c, chunks)
+        assert c.lookup(list(chunks)) == 3
+        with (arena_dir / "arena").open("r+b") as f:
+            f.seek(9)
+            f.write(b"\xff")  # one byte of the epoch
+        assert c.lookup(list(chunks)) == 0  # not offered: no client could load them
+        stats = c.stats()
+        assert stats["arena_reinitialised"] == 1 and stats["chunks"] == 0
+        assert "header changed" in stats["arena_fault"]
+        status, health = http_json(proc.info["url"] + "/healthz")
+        assert status == 200 and "header changed" in health["arena_fault"]
+        assert b"kvpool_arena_reinitialised_total 1" in http_json(proc.info["url"] + "/metrics")[1]
+        save(c, chunks)  # under the new epoch, which the header says again
+        assert load(c, list(chunks)) == chunks
+        assert c.stats()["arena_reinitialised"] == 1
+    finally:
+        proc.stop()

@@ -64,7 +64,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 def _add_status_routes(app: FastAPI, sidecar: Sidecar) -> None:
     @app.get("/healthz", tags=["status"])
     async def healthz() -> dict:
-        return {"status": "ok"}
+        # 200 while the process serves: a changed arena header is repaired in place (re-initialised),
+        # not by a restart, and said here so a person sees it
+        return {"status": "ok", "arena_fault": sidecar.store.arena_fault}
 
     @app.get("/readyz", tags=["status"], responses={503: {"model": s.Error}})
     async def readyz(tier: Literal["all", "cpu"] = "all") -> JSONResponse:

@@ -98,6 +98,15 @@ class Arena:
         # refuses every offset it was handed by the old sidecar.
         ARENA_HEADER.pack_into(self.view, 0, ARENA_MAGIC, self.epoch)
 
+    def header_intact(self) -> bool:
+        """Whether the header still says what this sidecar wrote (16 bytes read: cheap per request)."""
+        return ARENA_HEADER.unpack_from(self.view, 0) == (ARENA_MAGIC, self.epoch)
+
+    def new_epoch(self) -> None:
+        """Writes a header with a new epoch: every offset handed out before is refused by clients."""
+        self.epoch = secrets.randbits(63) + 1
+        ARENA_HEADER.pack_into(self.view, 0, ARENA_MAGIC, self.epoch)
+
     def close(self) -> None:
         self.view.release()
         with contextlib.suppress(BufferError):  # a view is still exported; the OS unmaps at exit

@@ -55,6 +55,7 @@ class Counters:
     leases_expired: int = 0
     promotions: int = 0
     refused_commits: int = 0  # commits of a reservation that was no longer the writer's
+    arena_reinitialised: int = 0  # headers found changed behind the sidecar: every chunk dropped
 
 
 class ChunkIndex:
@@ -274,6 +275,12 @@ class ChunkIndex:
         if e.pins == 0:
             self._alloc.free(e.offset, e.length)
 
+    def clear(self) -> None:
+        """Drops every entry, stored or reserved. Pinned extents stay allocated until their leases
+        end, so nothing a reader still copies from is handed to a new writer."""
+        for e in list(self._entries.values()):
+            self.drop(e)
+
     def _victim(self, protect: set[str]) -> Entry | None:
         # A higher priority number is a lower priority (vLLM's convention): it goes first.
         for prio in reversed(self._priorities):
@@ -344,6 +351,7 @@ class ChunkIndex:
             "leases_expired": c.leases_expired,
             "promotions": c.promotions,
             "refused_commits": c.refused_commits,
+            "arena_reinitialised": c.arena_reinitialised,
             "reserved_chunks": sum(1 for e in self._entries.values() if not e.stored),
             "pinned_leases": len(self._leases),
             "free_bytes": self._alloc.free_bytes,

@@ -45,6 +45,7 @@ STATS = (
     counter("leases_expired", "Pin leases never released in time"),
     counter("promotions", "Chunks loaded from Redis into the CPU tier"),
     counter("refused_commits", "Commits of a reservation that was no longer the writer's"),
+    counter("arena_reinitialised", "Arena headers changed behind the sidecar: chunks dropped, new epoch"),
     gauge("reserved_chunks", "Chunks reserved and not yet committed"),
     gauge("pinned_leases", "Pin leases held (chunks being loaded)"),
     gauge("free_bytes", "Bytes of the arena not stored or reserved"),

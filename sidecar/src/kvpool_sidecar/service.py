@@ -81,4 +81,4 @@ class Sidecar:
             tiers["redis"] = self.redis.stats()
         elif self.redis_refused:
             tiers["redis"] = {"ready": False, "reason": self.redis_refused}
-        return {**top, "tiers": tiers}
+        return {**top, "arena_fault": self.store.arena_fault, "tiers": tiers}

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.chunk_index import ChunkIndex, Counters, Entry, Lease
-from kvpool_sidecar.wire import Slot, checksum, checksum_pieces
+from kvpool_sidecar.wire import ARENA_HEADER, Slot, checksum, checksum_pieces
 
 log = logging.getLogger(__name__)
 _SLICE = 256  # batch items handled under one hold of the lock
@@ -75,6 +75,25 @@ class Store:
         self.lower: LowerTier | None = None
         self._lock = threading.RLock()
         self._promoting: dict[str, threading.Event] = {}  # key -> set when its promotion ends
+        self.arena_fault: str | None = None  # the last header found changed behind the sidecar
+
+    def _check_arena(self) -> None:
+        """Before serving, under the lock: a header this sidecar did not write (a rogue writer, memory
+        corruption) means clients refuse every offset it hands out, since its epoch is gone, and its
+        bytes are suspect. Offering hits then only makes clients fail loads: drop every chunk and
+        write a new header instead. Redis's copies are checksummed and stay."""
+        if self.arena.header_intact():
+            return
+        magic, epoch = ARENA_HEADER.unpack_from(self.arena.view, 0)
+        dropped = self.index.snapshot()["chunks"]
+        self.index.clear()
+        self.arena.new_epoch()
+        self.counters.arena_reinitialised += 1
+        self.arena_fault = (
+            f"the arena's header changed behind the sidecar (magic {magic!r}, epoch {epoch}): "
+            f"re-initialised with a new epoch, {dropped} chunks dropped"
+        )
+        log.error("%s", self.arena_fault)
 
     # --- the arena protocol -----------------------------------------------------------------------
 
@@ -94,6 +113,7 @@ class Store:
         # In slices, the lock released between them: a huge batch never holds lookups for long.
         for start in range(0, len(items), _SLICE):
             with self._lock:
+                self._check_arena()
                 self.index.reap()
                 for key, length in items[start : start + _SLICE]:
                     e = self.index.reserve(
@@ -142,6 +162,7 @@ class Store:
         it (even before the pin is done: then it pins nothing)."""
         lease_id = lease_id or secrets.token_hex(16)
         with self._lock:
+            self._check_arena()
             self.index.reap()
             entries: list[Entry] = []
             # Registered before anything is pinned, so an expired client leaks nothing even while we
@@ -197,6 +218,8 @@ class Store:
     def verify(self, keys: Sequence[str]) -> list[str]:
         """Checks the stored bytes of `keys` (a client that pinned with verify=False found them wrong,
         or wants them checked); drops and returns those that fail. The sidecar's checksum decides."""
+        with self._lock:
+            self._check_arena()  # a client whose load failed may have found the header changed
         dropped = []
         for key in keys:
             with self._lock:
@@ -298,6 +321,7 @@ class Store:
     def cpu_prefix(self, keys: Sequence[str], touch: bool = False) -> int:
         """How many of `keys`, from the first, are in the CPU tier now (see ChunkIndex.prefix)."""
         with self._lock:
+            self._check_arena()
             return self.index.prefix(keys, touch)
 
     def needs_lower(self, keys: Sequence[str]) -> bool:
@@ -323,6 +347,7 @@ class Store:
         tier count as used now), or None. One round trip to the lower tier for all of them."""
         keys = list(dict.fromkeys(k for group in groups for k in group))
         with self._lock:
+            self._check_arena()
             here = {k for k in keys if self.index.loadable(k) is not None}
         missing = [k for k in keys if k not in here]
         lower = self.lower
@@ -368,6 +393,7 @@ class Store:
         """A copy of the chunk's bytes, checked after copying: what is returned is what was saved."""
         data = None
         with self._lock:
+            self._check_arena()
             e = self.index.stored(key)
             if e is not None:
                 self.index.pin(e)
