@@ -15,7 +15,7 @@ from .common import KVPoolMetadata
 from .config import load_config
 from .logs import connector_logger
 from .metrics import KVPoolPromMetrics, KVPoolStats, build_stats
-from .namespace import engine_namespace, layer_names, stored_group
+from .namespace import engine_namespace, layer_names, out_of_window, stored_group
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
 
@@ -73,7 +73,10 @@ class KVPoolConnector(KVConnectorBase_V1):
             namespace = engine_namespace(
                 vllm_config, kv_cache_config, self.cfg.chunk_size, self.cfg.model_fingerprint
             )
-            self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size)
+            spec = stored_group(kv_cache_config, self.cfg.chunk_size).kv_cache_spec
+            self.scheduler = KVPoolScheduler(
+                self.cfg, namespace, namespace.block_size, out_of_window=out_of_window(spec)
+            )
         else:
             group = stored_group(kv_cache_config, self.cfg.chunk_size)  # the scheduler checks it too
             self.worker = KVPoolWorker(
@@ -155,6 +158,9 @@ class KVPoolConnector(KVConnectorBase_V1):
                 half.shutdown()
 
     # --- scheduler side --------------------------------------------------------------------------
+
+    def reset_cache(self) -> bool:
+        return self._scheduler.reset_cache()
 
     def on_new_request(self, request: Request) -> None:
         self._scheduler.track(request)

@@ -11,8 +11,12 @@ SPEC: {"model": dir, "block_size": 32, "kv_cache_bytes": N, "max_model_len": N,
        "runs": [{"label": str, "prompts": [[ids], ...], "max_tokens": 4, "priority": [..] | null,
                  "kv_transfer_params": {...} | null, "cache_salt": str | null,
                  "lora": {"name": str, "id": int, "path": dir} | null,
-                 "wait_for": path | null}, ...]}
+                 "wait_for": path | null, "new_embeddings_seed": int | null,
+                 "reset_prefix_cache": null | "engine" | "connector"}, ...]}
 A run with "wait_for" starts when that file exists (the caller changes the world between runs);
+"new_embeddings_seed" first loads new random token embeddings in place (a weight update, as an RL step
+makes one; the in-process engine only), then "reset_prefix_cache" resets vLLM's prefix cache, and
+with "connector" the connector's too (its answer is the run's "reset");
 after each run "<OUT>.<label>.done" is written. OUT gets {"runs": [{"label", "seconds", "outputs":
 [{"token_ids", "logprobs", "num_cached_tokens"}]}]}.
 """
@@ -73,9 +77,27 @@ def build_llm(spec: dict[str, Any]) -> Any:
     )
 
 
+def _new_embeddings(llm: Any, seed: int) -> None:
+    import torch
+
+    def update(model: Any) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name:
+                p.data.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    llm.apply_model(update)
+
+
 def run_one(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
+
+    if run.get("new_embeddings_seed") is not None:
+        _new_embeddings(llm, run["new_embeddings_seed"])
+    reset = None
+    if run.get("reset_prefix_cache"):
+        reset = llm.reset_prefix_cache(reset_connector=run["reset_prefix_cache"] == "connector")
 
     extra = {"kv_transfer_params": run["kv_transfer_params"]} if run.get("kv_transfer_params") else None
     params = SamplingParams(
@@ -100,7 +122,7 @@ def run_one(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
                 "num_cached_tokens": out.num_cached_tokens or 0,
             }
         )
-    return {"label": run.get("label", ""), "seconds": seconds, "outputs": results}
+    return {"label": run.get("label", ""), "seconds": seconds, "outputs": results, "reset": reset}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ One module serves the scheduler, the worker and tools.
 from __future__ import annotations
 
 import hashlib
+import secrets
 import sys
 from array import array
 from collections.abc import Callable, Sequence
@@ -81,6 +82,12 @@ class Namespace:
             self.overrides,
         )
         return _h("\x1f".join(map(str, fields)).encode())
+
+
+def new_generation(seed: bytes) -> bytes:
+    """A seed no key made before can come from: after vLLM resets its caches (new weights loaded in
+    place), chunks saved before must never be found again. Random, so no two resets share keys."""
+    return _h(seed, b"generation", secrets.token_bytes(16))
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:

@@ -18,7 +18,7 @@ import torch
 
 from kvpool_sidecar.client import SidecarClient, SidecarError, Slot, checksum
 
-from .arena_mapping import ArenaMapping
+from .arena_mapping import ArenaChanged, ArenaMapping
 from .chunk_io import ChunkIO
 from .common import ChunkOp, KVPoolMetadata, LoadSpec
 from .keys import rank_key
@@ -115,18 +115,29 @@ class ChunkLoader:
         t0 = time.perf_counter()
         out = _Loaded(spec.req_id)
         ops = spec.chunks
+        keys = [rank_key(op.link, self.rank) for op in ops]
         good = 0
         try:
-            pinned = self.client.pin([rank_key(op.link, self.rank) for op in ops], verify=False)
+            pinned = self.client.pin(keys, verify=False)
             try:
                 for op, slot in zip(ops, pinned.slots, strict=False):
                     if not self._load_chunk(op, slot):
                         out.corrupt += 1
+                        # the sidecar re-checks this chunk and the rest (still pinned): a rogue
+                        # write seldom hits one chunk alone, and the next lookup should not offer them
+                        self._report(keys[good:])
                         break
                     good += 1
             finally:
                 with contextlib.suppress(SidecarError):  # a lease expires by itself
                     self.client.release(pinned.lease)
+        except ArenaChanged as e:
+            # The header is not the one the sidecar named: it restarted, or something wrote over the
+            # header. Told, the sidecar checks its header and, if changed, drops every chunk and
+            # writes a new epoch, so it stops offering hits no worker can load.
+            out.errors += 1
+            self._warn.warning("load", "kvpool: load of %s failed, vLLM recomputes it: %s", spec.req_id, e)
+            self._report(keys[good : good + 1])
         except SidecarError as e:  # unreachable, refused, or restarted: a recompute
             out.errors += 1
             self._warn.warning("load", "kvpool: load of %s failed, vLLM recomputes it: %s", spec.req_id, e)
@@ -147,9 +158,21 @@ class ChunkLoader:
             # found by a block prefix's key: the first blocks of a longer chunk
             blocks, rest = divmod(slot.length, self.io.block_bytes) if self.io.block_bytes else (0, 1)
             if rest or blocks < op.first_block + len(op.block_ids):
+                # no worker of this engine can load it, whatever its checksum says: the sidecar
+                # would offer it again to every request, so it is deleted
                 self._warn.warning(
-                    "geometry", "kvpool: chunk %s has %d bytes, expected %d", slot.key, slot.length, expected
+                    "geometry",
+                    "kvpool: chunk %s has %d bytes, expected %d: deleted",
+                    slot.key,
+                    slot.length,
+                    expected,
                 )
+                try:
+                    self.client.delete(slot.key)
+                except SidecarError as e:
+                    self._warn.warning(
+                        "verify", "kvpool: could not have the sidecar drop %s: %s", slot.key, e
+                    )
                 return False
             op = dataclasses.replace(op, chunk_blocks=blocks)
         chunk = self.mapping.tensor(slot.epoch)[slot.offset : slot.offset + slot.length]
@@ -164,8 +187,12 @@ class ChunkLoader:
                 self.stream.synchronize()
         if not ok:
             self._warn.warning("corrupt", "kvpool: chunk %s failed its checksum: dropped", slot.key)
-            try:
-                self.client.verify([slot.key])  # the sidecar re-checks and drops it
-            except SidecarError as e:
-                self._warn.warning("verify", "kvpool: could not have the sidecar drop %s: %s", slot.key, e)
         return ok
+
+    def _report(self, keys: list[str]) -> None:
+        """Has the sidecar check its arena's header and these chunks' bytes (its checksum decides) and
+        drop what fails, so the next lookup does not offer them."""
+        try:
+            self.client.verify(keys)
+        except SidecarError as e:
+            self._warn.warning("verify", "kvpool: could not have the sidecar check %s: %s", keys[:1], e)

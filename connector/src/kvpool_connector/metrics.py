@@ -35,6 +35,7 @@ STATS = (
     Stat("load_seconds", "Seconds spent loading chunks (per load, summed)"),
     Stat("load_failed_blocks", "KV blocks whose load failed and were recomputed"),
     Stat("corrupt_chunks", "Loaded chunks whose bytes failed their checksum (recomputed, dropped)"),
+    Stat("failed_load_requests", "Requests whose load failed: recomputed, never offered a hit again"),
     Stat("saved_chunks", "Chunks saved into the kvpool sidecar"),
     Stat("saved_bytes", "Bytes saved into the kvpool sidecar"),
     Stat("save_seconds", "Seconds spent saving chunks (per step, summed)"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .keys import Namespace
@@ -37,6 +38,27 @@ def stored_group(kv_cache_config: KVCacheConfig, chunk_size: int) -> Any:
     return groups[0]
 
 
+def out_of_window(spec: Any) -> Callable[[int], int]:
+    """For a group's spec: with n tokens computed, how many tokens from the start vLLM no longer keeps
+    (their blocks freed and replaced by the null block; vLLM's get_num_skipped_tokens, without its
+    extra retained tokens, so never fewer). 0 for full attention."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    if isinstance(spec, SlidingWindowSpec):
+        window = spec.sliding_window
+        return lambda n: max(0, n - window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        size = spec.attention_chunk_size
+        return lambda n: n // size * size
+    return lambda n: 0
+
+
+def _window(spec: Any) -> str:
+    """The attention window in the namespace: it changes every layer's KV after the first."""
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    return f":window={window}" if window else ""
+
+
 def _canonical(value: Any) -> str:
     """Canonical JSON of a config value ("" for none); callables by their qualified name."""
     if not value:
@@ -67,7 +89,7 @@ def engine_namespace(
     return Namespace(
         model=str(model.model),
         dtype=str(spec.dtype).removeprefix("torch."),
-        layout=f"{type(spec).__name__}:{layout or 'default'}",
+        layout=f"{type(spec).__name__}:{layout or 'default'}{_window(spec)}",
         num_layers=len(group.layer_names),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,

@@ -12,7 +12,7 @@ from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarTimeout
 from .breaker import BREAKER_SECONDS, Breaker
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig
-from .keys import Extras, Namespace, chain, rank_key
+from .keys import Extras, Namespace, chain, new_generation, rank_key
 from .logs import connector_logger
 from .metrics import KVPoolStats
 from .ratelimit import RateLimitedLog
@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 log = connector_logger(__name__)
 SKIP_SAVE_PARAM = "kvpool.skip_save"
+# vLLM's null block (its block pool hands out block 0 as it): what a request's table holds where a
+# sliding window let go of its blocks. Nothing is ever loaded into it or saved from it.
+NULL_BLOCK = 0
 
 
 @dataclass
@@ -39,6 +42,11 @@ class _ReqState:
     saved: set[Span] = field(default_factory=set)  # spans known to be in the sidecar
     lookup: tuple[int, list[Span]] | None = None  # (num_computed_tokens asked, hit spans)
     load: Span | None = None  # tokens to load in the request's next scheduled step
+    loading: set[int] = field(default_factory=set)  # the blocks of its load in flight
+    # A load of it failed: never offered again. A failure that repeats (a header the sidecar did not
+    # write, a chunk the sidecar serves but no worker can load) would otherwise make vLLM recompute
+    # and ask again, forever.
+    load_failed: bool = False
 
 
 class KVPoolScheduler:
@@ -48,9 +56,12 @@ class KVPoolScheduler:
         namespace: Namespace,
         block_size: int,
         clock: Callable[[], float] = time.monotonic,
+        out_of_window: Callable[[int], int] = lambda n: 0,
     ):
         self.cfg = cfg
         self.block_size = block_size
+        # with n tokens computed, the tokens whose blocks vLLM has freed (a sliding window)
+        self.out_of_window = out_of_window
         self.seed = namespace.seed()
         # every rank that stores a copy of each chunk: a hit means all of them have it
         self.ranks = namespace.tp_size * namespace.pp_size
@@ -116,6 +127,8 @@ class KVPoolScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._state(request)
         st.lookup = None
+        if st.load_failed:
+            return 0, False
         # a full-prompt hit still recomputes the last token: vLLM needs its logits
         limit = align_down(request.num_prompt_tokens - 1, self.block_size)
         spans = [
@@ -194,7 +207,9 @@ class KVPoolScheduler:
         meta = KVPoolMetadata(idle=so.total_num_scheduled_tokens == 0)
         for waiting in self.reqs.values():  # loads of requests waiting for them (not scheduled now)
             if waiting.load is not None:
-                meta.loads.append(self._load_spec(waiting))
+                spec = self._load_spec(waiting)
+                meta.loads.append(spec)
+                waiting.loading = {b for op in spec.chunks for b in op.block_ids}
                 waiting.load = None
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
@@ -214,7 +229,7 @@ class KVPoolScheduler:
         for req_id, num_computed in computed.items():
             st = self.reqs[req_id]
             end = num_computed + so.num_scheduled_tokens.get(req_id, 0)
-            if (save := self._save_spec(st, end)) is not None:
+            if (save := self._save_spec(st, end, num_computed)) is not None:
                 meta.saves.append(save)
         return meta
 
@@ -225,15 +240,19 @@ class KVPoolScheduler:
             lo, hi = max(s[0], clip[0]), min(s[1], clip[1])
             if hi <= lo:
                 continue
-            # a load may start mid-chunk (behind vLLM's own prefix hit) or stop before the chunk's end
-            ops.append(
-                ChunkOp(
-                    self._link(st, s),
-                    (s[1] - s[0]) // bs,
-                    st.block_ids[lo // bs : hi // bs],
-                    first_block=(lo - s[0]) // bs,
+            # a load may start mid-chunk (behind vLLM's own prefix hit) or stop before the chunk's end,
+            # and skips the blocks out of a sliding window (the null block: vLLM never reads them)
+            ids = st.block_ids[lo // bs : hi // bs]
+            live = next((i for i, b in enumerate(ids) if b != NULL_BLOCK), len(ids))
+            if live < len(ids):
+                ops.append(
+                    ChunkOp(
+                        self._link(st, s),
+                        (s[1] - s[0]) // bs,
+                        ids[live:],
+                        first_block=(lo - s[0]) // bs + live,
+                    )
                 )
-            )
         return ops
 
     def _load_spec(self, st: _ReqState) -> LoadSpec:
@@ -247,7 +266,20 @@ class KVPoolScheduler:
         params = request.kv_transfer_params or {}
         return not params.get(SKIP_SAVE_PARAM, False)
 
-    def _save_spec(self, st: _ReqState, computed_end: int) -> SaveSpec | None:
+    def _in_window(self, st: _ReqState, span: Span, computed_before: int) -> bool:
+        """Whether every block of `span` still holds its tokens' KV in this step: none of them freed by a
+        sliding window when vLLM scheduled it (then possibly handed to another request, which writes it
+        in this very step) and none the null block (out of the window of a prefix hit)."""
+        bs = self.block_size
+        first, end = span[0] // bs, span[1] // bs
+        blocks = st.block_ids[first:end]
+        return (
+            first >= self.out_of_window(computed_before) // bs
+            and len(blocks) == end - first
+            and NULL_BLOCK not in blocks
+        )
+
+    def _save_spec(self, st: _ReqState, computed_end: int, computed_before: int) -> SaveSpec | None:
         """Chunks whose tokens all have KV in the paged buffer once this step has run."""
         request = st.request
         if not self._save_allowed(request):
@@ -256,9 +288,10 @@ class KVPoolScheduler:
         if self.cfg.save_decode_cache:
             spans += decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
         todo = [s for s in spans if s[1] <= computed_end and s not in st.saved]
+        st.saved.update(todo)  # saved now, or never: a block out of the window never comes back
+        todo = [s for s in todo if self._in_window(st, s, computed_before)]
         if not todo or (links := self._links(st, todo)) is None:
             return None
-        st.saved.update(todo)
         bs = self.block_size
         ops = [
             ChunkOp(
@@ -275,6 +308,13 @@ class KVPoolScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         bad = set(getattr(output, "invalid_block_ids", None) or ())
+        # a load's failed blocks come in the step that reports it finished (loader.py)
+        for req_id in getattr(output, "finished_recving", None) or ():
+            if (st := self.reqs.get(req_id)) is not None:
+                if st.loading & bad:
+                    st.load_failed = True
+                    self.stats.add("failed_load_requests")
+                st.loading = set()
         if not bad:
             return
         # the step that failed to load also skipped that request's saves; forget them so the
@@ -287,6 +327,19 @@ class KVPoolScheduler:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self.reqs.pop(request.request_id, None)
         return False, None  # saves are complete when a step ends: the blocks may be freed now
+
+    def reset_cache(self) -> bool:
+        """vLLM reset its caches (reset_prefix_cache(reset_connector=True): an RL weight sync, new
+        weights loaded in place): what this engine saved may be KV of the old weights. A new
+        generation in the seed makes every chunk saved before unreachable at once, on every key; the
+        sidecar's LRU ages them out. Pods that did not reset keep their own keys."""
+        self.seed = new_generation(self.seed)
+        for st in self.reqs.values():
+            st.links.clear()
+            st.saved.clear()
+            st.lookup = None
+        log.info("kvpool: cache reset: chunks saved before are never loaded by this engine again")
+        return True
 
     def take_stats(self) -> KVPoolStats | None:
         return self.stats.take()

@@ -21,6 +21,7 @@ class ModelShape:
     intermediate: int = 512
     vocab: int = 512
     max_positions: int = 4096
+    sliding_window: int | None = None  # set: a Mistral whose every layer attends this many tokens back
 
     @property
     def head_size(self) -> int:
@@ -33,6 +34,7 @@ class ModelShape:
 
 
 TINY = ModelShape()  # head size 64: the CPU backend's smallest common size
+TINY_SWA = ModelShape(sliding_window=64)  # a sliding window of two 32-token blocks
 # the demo's: big enough that a 2,000-token prefill takes a visible fraction of a second
 DEMO = ModelShape(hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1408, vocab=512)
 # the shape the bench uses: prefill of 2,000 tokens costs seconds on 2 cores
@@ -47,11 +49,15 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     if marker.exists() and json.loads(marker.read_text()) == made:
         return directory
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
     _make_tokenizer(directory, shape.vocab)
-    config = LlamaConfig(
+    swa = shape.sliding_window is not None
+    llama = (LlamaConfig, LlamaForCausalLM)
+    config_class, model_class = (MistralConfig, MistralForCausalLM) if swa else llama
+    window = {"sliding_window": shape.sliding_window} if swa else {}
+    config = config_class(
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
@@ -63,9 +69,10 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
         eos_token_id=2,
         pad_token_id=0,
         tie_word_embeddings=False,
+        **window,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float()
+    model = model_class(config).float()
     model.save_pretrained(directory, safe_serialization=True)
     marker.write_text(json.dumps(made))
     return directory
