@@ -49,6 +49,14 @@ class ArenaMapping:
         self._all: list[_Mapped] = []
         self._lock = threading.Lock()
 
+    def slot(self, epoch: int, offset: int, length: int) -> torch.Tensor:
+        """A slot's bytes in the arena of `epoch`; ArenaChanged when it is not in this mapping (a bug
+        or a sidecar that named another file: never a short view, whose copy would fail or fault)."""
+        arena = self.tensor(epoch)
+        if offset < 0 or length < 0 or offset + length > arena.numel():
+            raise ArenaChanged(f"slot [{offset}, +{length}) is outside the {arena.numel()}-byte arena")
+        return arena[offset : offset + length]
+
     def tensor(self, epoch: int) -> torch.Tensor:
         """The arena as a uint8 tensor, if it is the arena of `epoch`; raises ArenaChanged if not."""
         with self._lock:

@@ -175,7 +175,7 @@ class ChunkLoader:
                     )
                 return False
             op = dataclasses.replace(op, chunk_blocks=blocks)
-        chunk = self.mapping.tensor(slot.epoch)[slot.offset : slot.offset + slot.length]
+        chunk = self.mapping.slot(slot.epoch, slot.offset, slot.length)
         if self.stream is None:
             ok = self.io.load_cpu(chunk, op) == slot.checksum
         else:

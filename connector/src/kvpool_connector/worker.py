@@ -224,7 +224,7 @@ class KVPoolWorker:
 
     def _write(self, s: _Save, slot: Slot) -> int:
         """Writes one chunk into its reserved slot; returns the checksum of its source bytes."""
-        chunk = self._mapping.tensor(slot.epoch)[slot.offset : slot.offset + slot.length]
+        chunk = self._mapping.slot(slot.epoch, slot.offset, slot.length)
         if s.bounce is None:
             return self.io.save_cpu(chunk, s.op)
         digest = checksum(s.bounce.numpy())

@@ -39,9 +39,12 @@ def check_directory(directory: Path) -> None:
         )
 
 
-def _open_own(path: Path, mode: int) -> int:
+def _open_own(path: Path, mode: int, size: int) -> int:
     """The arena file, opened without following a symlink; a file that is not this process's own
-    regular, single-link file (planted before the sidecar started) is replaced, never used."""
+    regular, single-link file (planted before the sidecar started) is replaced, never used, and so
+    is one of another size (another --capacity): shrunk in place, a client still copying through
+    its mapping of the old size would touch pages past the end and die of SIGBUS. Replaced, the old
+    file lives on while mapped, and clients map the new one when they see its epoch."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, mode)
@@ -51,12 +54,15 @@ def _open_own(path: Path, mode: int) -> int:
         log.warning("replacing %s: a symlink", path)
     else:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+        own = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
+        if own and st.st_size in (0, size):
             return fd
         os.close(fd)
-        log.warning(
-            "replacing %s: not a regular file of this user (uid %d, %d links)", path, st.st_uid, st.st_nlink
-        )
+        if own:
+            log.warning("replacing %s: %d bytes, this arena is %d", path, st.st_size, size)
+        else:
+            why = f"not a regular file of this user (uid {st.st_uid}, {st.st_nlink} links)"
+            log.warning("replacing %s: %s", path, why)
     path.unlink()
     return os.open(path, flags | os.O_EXCL, mode)
 
@@ -78,7 +84,7 @@ class Arena:
         # The same file across sidecar restarts (an emptyDir outlives its containers): a client
         # that still maps it keeps a valid mapping, and memory is not held twice. Its old bytes are
         # never trusted: the index starts empty, and every chunk is checksummed before it is served.
-        fd = _open_own(self.path, self.mode)
+        fd = _open_own(self.path, self.mode, size)
         try:
             os.fchmod(fd, self.mode)  # the umask may have narrowed it
             os.ftruncate(fd, size)
