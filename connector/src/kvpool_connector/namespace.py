@@ -102,6 +102,6 @@ def engine_namespace(
         pcp_size=getattr(parallel, "prefill_context_parallel_size", 1),
         kv_cache_dtype=kv_dtype,
         quantization=str(model.quantization or ""),
-        weights=model_weights_identity(model, pinned_weights),
+        weights=model_weights_identity(model, pinned_weights, vllm_config.load_config.download_dir),
         overrides=_canonical(model.hf_overrides),
     )
