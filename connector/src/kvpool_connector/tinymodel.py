@@ -10,6 +10,7 @@ import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     swa = shape.sliding_window is not None
     llama = (LlamaConfig, LlamaForCausalLM)
     config_class, model_class = (MistralConfig, MistralForCausalLM) if swa else llama
-    window = {"sliding_window": shape.sliding_window} if swa else {}
+    window: dict[str, Any] = {"sliding_window": shape.sliding_window} if swa else {}
     config = config_class(
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
