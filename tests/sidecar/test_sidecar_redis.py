@@ -258,3 +258,31 @@ def test_a_lookup_through_redis_counts_as_a_use_of_the_chunk(sidecar_factory, re
     before = wait_until(lambda: (n := idle()) >= 3 and n, 30, "the chunk idle in Redis for 3 s")
     assert client(b).lookup([k, key(2, "absent")]) == 1  # b's CPU tier misses: Redis is asked
     assert idle() < before - 1
+
+
+def test_a_redis_that_would_refuse_writes_once_full_is_refused_with_the_reason(sidecar_factory) -> None:
+    """maxmemory with Redis's default noeviction: kvpool's chunks have no TTL, so once full every
+    write is refused. The shard is refused at once, with what to change, and used once it is."""
+    with redis_with("--maxmemory", "64mb") as (port, _):
+        proc = sidecar_factory("16Mi", [f"redis://127.0.0.1:{port}/0"])
+        c = client(proc)
+        ready, reason = c.readyz()
+        assert not ready and "maxmemory-policy noeviction" in reason and "allkeys-lru" in reason
+        assert redis_stats(c)["shards_up"] == 0
+        redis_call(port, "CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+        wait_until(lambda: c.readyz()[0], 30, "the shard used once its policy evicts")
+
+
+def test_a_write_redis_refuses_for_memory_is_dropped_and_the_shard_keeps_serving(sidecar_factory) -> None:
+    with redis_with("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru") as (port, _):
+        proc = sidecar_factory("64Mi", [f"redis://127.0.0.1:{port}/0"])
+        c = client(proc)
+        small = {key(1, "oom"): payload(100_000, 1)}
+        save(c, small)
+        wait_until(lambda: redis_stats(c)["written"] == 1, 30, "the small chunk written behind")
+        save(c, {key(2, "oom"): payload(8 * 2**20, 2)})  # more than maxmemory: OOM, whatever it evicts
+        wait_until(lambda: redis_stats(c)["dropped"] == 1, 30, "the big chunk's write refused")
+        stats = redis_stats(c)
+        assert stats["shards_up"] == 1 and stats["write_errors"] == 0
+        assert c.readyz() == (True, "ok")
+        assert c.lookup([key(1, "oom")]) == 1

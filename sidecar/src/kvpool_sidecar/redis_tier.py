@@ -150,15 +150,22 @@ class Shard:
         self._id = self.name.encode()
 
     def check(self) -> None:
-        """PING (connecting first if needed); marks the shard up or down with the reason."""
+        """PING (connecting first if needed) and the eviction policy; marks the shard up or down with
+        the reason."""
         try:
             if self.client is None:
                 self.client = connect(self.url, self.password)
             if self.lookup_client is None:
                 self.lookup_client = connect(self.url, self.password, LOOKUP_BUDGET_SECONDS)
             self.client.ping()
+            problem = eviction_problem(self.client)
         except Exception as e:  # connection errors, auth, a bad URL, a cluster without slots
             self.down(e)
+            return
+        if problem is not None:
+            if self.reason != problem:
+                log.error("redis shard %s refused: %s", self.name, problem)
+            self.up, self.reason = False, problem
             return
         if not self.up:
             log.info("redis shard %s is up", self.name)
@@ -184,6 +191,25 @@ class Shard:
             log.warning("redis shard %s is down: %r", self.name, error)
         self.up = False
         self.reason = f"{type(error).__name__}: {error}"
+
+
+def eviction_problem(client: redis.Redis | RedisCluster) -> str | None:
+    """Why this Redis would refuse kvpool's writes once full, or None. kvpool's chunks have no TTL:
+    with a memory limit only an allkeys-* policy ever evicts them, and Redis's default (noeviction)
+    answers every write with OOM once full."""
+    try:
+        info = client.info("memory")
+    except redis.ResponseError:  # INFO not allowed to this user: nothing to check
+        return None
+    nodes = list(info.values()) if info and all(isinstance(v, dict) for v in info.values()) else [info]
+    for node in nodes:  # a cluster client answers per node
+        maxmemory, policy = int(node.get("maxmemory", 0)), str(node.get("maxmemory_policy", ""))
+        if maxmemory and not policy.startswith("allkeys-"):
+            return (
+                f"maxmemory {maxmemory} with maxmemory-policy {policy}: kvpool's chunks have no TTL, so "
+                "this Redis would refuse every write once full; set maxmemory-policy allkeys-lru"
+            )
+    return None
 
 
 @dataclass
@@ -407,6 +433,11 @@ class RedisTier:
                 }
                 fields[META_FIELD] = _META.pack(_MAGIC, slot.length, digest, priority, n, mac)
                 shard.redis.hset(chunk_key(key), mapping=fields)  # type: ignore[arg-type]  # one command: all or nothing
+            except redis.exceptions.OutOfMemoryError:
+                # full and unable to evict enough (a chunk larger than maxmemory allows): this write is
+                # dropped, the shard still serves
+                self.counters.dropped += 1
+                return False
             except _ERRORS as e:
                 shard.down(e)
                 self.counters.write_errors += 1
