@@ -120,6 +120,7 @@ def test_load_config_defaults_types_and_unknown_keys() -> None:
         ("save_decode_cache", 1),
         ("priority_limit", 1.5),
         ("sidecar_url", "127.0.0.1:7070"),
+        ("sidecar_url", "https://127.0.0.1:7070"),  # the client speaks plain HTTP: refused here, not at start
         ("skip_last_n_tokens", -2),
         ("shm_path", 3),
     ],

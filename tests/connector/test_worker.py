@@ -141,6 +141,19 @@ def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sid
         w.shutdown()
 
 
+def test_an_arena_smaller_than_one_chunk_turns_saving_off_with_one_error(sidecar_factory, caplog) -> None:
+    """Every save would be skipped, silently, as if stored already: said once, at registration."""
+    proc = sidecar_factory("64Ki")
+    w = KVPoolWorker(KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64), rank=0)
+    w.register_kv_caches(make_layers(5), chunk_blocks=2)
+    assert w.chunk_bytes(2) > 65536
+    w.finish_step(KVPoolMetadata(saves=[SaveSpec("r", 0, chunk_ops([[0, 1]]))]))
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "--capacity" in errors[0]
+    assert SidecarClient(proc.info["url"]).stats()["reserved_chunks"] == 0
+    w.shutdown()
+
+
 def test_a_block_prefix_key_loads_the_first_blocks_of_the_chunk_that_holds_them(sidecar_factory) -> None:
     proc = sidecar_factory("16Mi")
     src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=3)

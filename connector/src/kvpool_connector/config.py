@@ -28,7 +28,8 @@ class KVPoolConfig:
 # key -> (accepted types, check on the value or None, what a valid value is)
 _INT = (int,)
 _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
-    "sidecar_url": ((str,), lambda v: v.startswith(("http://", "https://")), "an http(s) URL"),
+    # the sidecar serves plain HTTP on the pod's loopback (its control path is a Unix socket)
+    "sidecar_url": ((str,), lambda v: v.startswith("http://"), "an http://host:port URL"),
     "shm_path": ((str, type(None)), lambda v: v is None or bool(v), "a directory path or null"),
     "chunk_size": (_INT, lambda v: v > 0, "a positive integer"),
     "priority_limit": ((int, type(None)), None, "an integer or null"),

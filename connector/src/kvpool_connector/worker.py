@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarRefused, SidecarTimeout, Slot, checksum
+from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
 from .arena_mapping import ArenaMapping
 from .breaker import Breaker
@@ -90,14 +91,18 @@ class KVPoolWorker:
 
     def _check_chunk_size(self, size: int) -> None:
         """Turns saving off at start, with one clear error, when the sidecar refuses chunks this big
-        (a 70B model at TP 1 with 256-token chunks); a sidecar not up yet is checked at the first
-        save instead (its refusal does the same)."""
+        (a 70B model at TP 1 with 256-token chunks) or its arena cannot hold one (every save would be
+        skipped, silently); a sidecar not up yet is checked at the first save instead (its refusal
+        does the same)."""
         try:
-            limit = int(self.client.arena_info()["max_chunk_bytes"])
+            info = self.client.arena_info()
+            limit, capacity = int(info["max_chunk_bytes"]), int(info["size"]) - ARENA_HEADER_BYTES
         except (SidecarError, KeyError, ValueError, TypeError):
             return
-        if size > limit:
-            self._refused(SidecarRefused(f"a chunk is {size} bytes, the sidecar's --max-chunk-bytes {limit}"))
+        for bound, what in ((limit, "--max-chunk-bytes"), (capacity, "arena (--capacity)")):
+            if size > bound:
+                self._refused(SidecarRefused(f"a chunk is {size} bytes, the sidecar's {what} {bound}"))
+                return
 
     def _arena_path(self) -> str:
         if self.cfg.shm_path:
@@ -237,8 +242,8 @@ class KVPoolWorker:
         self._saves_refused = True
         log.error(
             "kvpool: the sidecar refuses this worker's chunks (%s); saving is off for this worker. Give "
-            "the sidecar a larger --max-chunk-bytes (the operator sizes it from the pool) or a smaller "
-            "chunk_size.",
+            "the sidecar a larger --max-chunk-bytes or --capacity (the pool's capacity), or use a "
+            "smaller chunk_size.",
             e,
         )
 
