@@ -220,3 +220,40 @@ def test_a_prompt_sharing_only_the_first_blocks_of_a_chunk_loads_them_from_that_
     # the last op names one block of the prefix; the worker finds the chunk holds two (see worker.py)
     assert [(op.chunk_blocks, len(op.block_ids)) for op in load.chunks] == [(2, 2), (2, 2), (1, 1)]
     assert_empty(s)
+
+
+def test_a_load_that_fails_every_time_is_tried_once(tiny_model, sidecar) -> None:
+    """A worker that can never load what the sidecar offers (a header it did not write, a chunk no
+    worker can read): vLLM recomputes, and kvpool never offers that request a hit again."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    tokens = prompt(96, 21)
+    store_chunks(s, client, tokens, 3)
+    s.add_request(make_request(tokens))
+    loads = 0
+    for _ in range(200):
+        if not s.has_unfinished_requests():
+            break
+        so = s.schedule()
+        failed = {b for ld in so.kv_connector_metadata.loads for op in ld.chunks for b in op.block_ids}
+        loads += len(so.kv_connector_metadata.loads)
+        s.update_from_output(so, model_output(s, so, invalid=failed))
+    assert not s.has_unfinished_requests() and loads == 1
+    assert_empty(s)
+
+
+def test_a_request_waiting_for_room_is_not_looked_up_every_step(tiny_model, sidecar) -> None:
+    """vLLM asks for the head waiting request every step while it does not fit; each ask was a round
+    trip to the sidecar inside schedule()."""
+    url, _ = sidecar
+    s = make_scheduler(tiny_model, url, num_blocks=12)  # room for one of these requests at a time
+    first, second = make_request(prompt(120, 22), max_tokens=40), make_request(prompt(120, 23))
+    s.add_request(first)
+    s.add_request(second)
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters)
+    waited = next(i for i, so in enumerate(outputs) if second.request_id in so.num_scheduled_tokens)
+    assert waited > 20  # it waited many steps
+    assert counters["lookups"] <= 2 + waited // 16  # asked anew every 16 steps at most, not every step
+    assert counters["lookups_reused"] >= waited - 2 - waited // 16
+    assert_empty(s)

@@ -28,6 +28,7 @@ STATS = (
     Stat("lookups", "Lookup round trips from vLLM's scheduler to the kvpool sidecar"),
     Stat("lookup_errors", "Lookups that failed or timed out (counted as misses)"),
     Stat("lookups_skipped", "Lookups not asked while the lookup breaker was open (counted as misses)"),
+    Stat("lookups_reused", "Lookups of a waiting request answered with its last answer (no round trip)"),
     Stat("hit_tokens", "Prompt tokens offered to vLLM from the kvpool sidecar (loaded, not computed)"),
     Stat("unkeyable_requests", "Requests with an input kvpool cannot key (neither loaded nor saved)"),
     Stat("loaded_chunks", "Chunks loaded from the kvpool sidecar into vLLM's KV cache"),

@@ -30,6 +30,21 @@ SKIP_SAVE_PARAM = "kvpool.skip_save"
 # vLLM's null block (its block pool hands out block 0 as it): what a request's table holds where a
 # sliding window let go of its blocks. Nothing is ever loaded into it or saved from it.
 NULL_BLOCK = 0
+# vLLM asks again every step for a waiting request that does not fit yet; its last answer stands for
+# this many steps or seconds, whichever ends first (each ask is a round trip inside schedule())
+REASK_STEPS = 16
+REASK_SECONDS = 1.0
+
+
+@dataclass
+class _Asked:
+    """A lookup's answer for a request at `computed` tokens, made at step `step`, time `at`."""
+
+    computed: int
+    step: int
+    at: float
+    answer: tuple[int, bool]
+    spans: list[Span]
 
 
 @dataclass
@@ -47,6 +62,7 @@ class _ReqState:
     # write, a chunk the sidecar serves but no worker can load) would otherwise make vLLM recompute
     # and ask again, forever.
     load_failed: bool = False
+    asked: _Asked | None = None  # the last lookup's answer while the request waits to be scheduled
 
 
 class KVPoolScheduler:
@@ -69,6 +85,8 @@ class KVPoolScheduler:
         # a lookup runs inside vLLM's schedule(), so each one that waits out its timeout stalls every
         # request. A sidecar that is simply gone fails at once (connection refused): no breaker.
         self._breaker = Breaker(clock)
+        self._clock = clock
+        self._steps = 0  # schedule() calls so far
         self._warn = RateLimitedLog(log)
         self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
         self.reqs: dict[str, _ReqState] = {}
@@ -129,6 +147,24 @@ class KVPoolScheduler:
         st.lookup = None
         if st.load_failed:
             return 0, False
+        asked = st.asked
+        if (
+            asked is not None
+            and asked.computed == num_computed_tokens
+            and self._steps - asked.step < REASK_STEPS
+            and self._clock() - asked.at < REASK_SECONDS
+        ):
+            self.stats.add("lookups_reused")
+        else:
+            now = self._clock()  # before the round trip: the answer is at most this old
+            answer = self._lookup(st, request, num_computed_tokens)
+            spans: list[Span] = st.lookup[1] if st.lookup is not None else []
+            asked = st.asked = _Asked(num_computed_tokens, self._steps, now, answer, spans)
+        if asked.answer[0]:
+            st.lookup = (num_computed_tokens, asked.spans)
+        return asked.answer
+
+    def _lookup(self, st: _ReqState, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         # a full-prompt hit still recomputes the last token: vLLM needs its logits
         limit = align_down(request.num_prompt_tokens - 1, self.block_size)
         spans = [
@@ -183,6 +219,7 @@ class KVPoolScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         st = self._state(request)
+        st.asked = None  # scheduled: its next wait asks anew
         if num_external_tokens == 0:  # nothing to load (also the second call after an async load)
             return
         # The request is not scheduled while it loads, so its blocks come from here, not from
@@ -204,6 +241,7 @@ class KVPoolScheduler:
     # --- per-step metadata -----------------------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPoolMetadata:
+        self._steps += 1
         meta = KVPoolMetadata(idle=so.total_num_scheduled_tokens == 0)
         for waiting in self.reqs.values():  # loads of requests waiting for them (not scheduled now)
             if waiting.load is not None:
