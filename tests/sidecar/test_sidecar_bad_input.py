@@ -180,3 +180,50 @@ def test_control_socket_bad_frames(sidecar) -> None:
     SidecarClient(sidecar.info["url"]).abort([slot_from_json(s, 0) for s in whole["body"]["slots"]])
     assert nothing_committed(SidecarClient(sidecar.info["url"]))
     still_serving(sidecar.info["url"])
+
+
+def test_json_bodies_are_bounded_before_they_are_read(sidecar) -> None:
+    """FastAPI reads a JSON body whole on the event loop before any schema limit: a 256 MiB one held
+    lookups for 2 s. Now one over the control socket's frame limit is refused from its header, and
+    one that does not declare its length is refused."""
+    port, url = sidecar.info["port"], sidecar.info["url"]
+    post = "POST /v1/lookup HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    answer = raw(port, f"{post}Content-Length: {256 << 20}\r\n\r\n".encode(), b'{"keys": [', close_write=True)
+    assert answer.startswith(b"HTTP/1.1 413") and b"at most" in answer
+    answer = raw(port, f"{post}Transfer-Encoding: chunked\r\n\r\n".encode(), b"4\r\n{}  \r\n0\r\n\r\n", True)
+    assert answer.startswith(b"HTTP/1.1 411")
+    assert SidecarClient(url, timeout=5).lookup([GOOD]) == 0  # and lookups are answered
+    assert nothing_committed(SidecarClient(url))
+    still_serving(url)
+
+
+def test_a_body_trickled_slower_than_its_lease_holds_no_room(tmp_path) -> None:
+    """A PUT renews its reservation with each piece, but never past --lease-seconds from its start:
+    four clients trickling a byte at a time held the whole arena for 48 s."""
+    proc = start_sidecar(tmp_path, "64Ki", [], "--lease-seconds", "1")
+    try:
+        c = SidecarClient(proc.info["url"], timeout=5)
+        with socket.create_connection(("127.0.0.1", proc.info["port"]), timeout=10) as s:
+            s.sendall(f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n".encode())
+            s.sendall(b"t")
+            wait_until(lambda: c.stats()["reserved_chunks"] == 1, 10, "the slow PUT's reservation")
+            s.settimeout(0.2)
+            answer = b""
+
+            def trickle() -> bool:  # a byte per try, as a slow client sends them, until it is answered
+                nonlocal answer
+                try:
+                    s.sendall(b"t")
+                    answer += s.recv(65536)
+                except (TimeoutError, BlockingIOError):
+                    return False
+                except (BrokenPipeError, ConnectionResetError):
+                    return True
+                return bool(answer)
+
+            wait_until(trickle, 20, "the slow PUT answered")
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert c.stats()["reserved_chunks"] == 0 and c.stats()["free_bytes"] == 65536
+        assert c.put(key(3, "after"), b"f" * 65536)  # the room is there for the next writer
+    finally:
+        proc.stop()

@@ -71,7 +71,7 @@ def test_a_slow_put_past_its_reservation_stores_nothing_and_overwrites_nothing(s
         assert c.put(key(6, "fast"), fast)  # the extent is another chunk's now
         s.sendall(slow[CHUNK // 2 :])
         answer = s.recv(4096)
-    assert answer.startswith(b"HTTP/1.1 409"), answer
+    assert answer.startswith(b"HTTP/1.1 408"), answer  # past its lease from the start: not stored
     assert c.get(key(5, "slow")) is None
     assert c.get(key(6, "fast")) == fast
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Annotated, Any, Literal
 
 import xxhash
@@ -16,6 +17,7 @@ from starlette.requests import ClientDisconnect
 
 from kvpool_sidecar import control, metrics
 from kvpool_sidecar import schemas as s
+from kvpool_sidecar.body_limit import BoundedJsonBodies
 from kvpool_sidecar.service import Sidecar
 from kvpool_sidecar.store import PutResult
 from kvpool_sidecar.wire import KEY_PATTERN
@@ -99,6 +101,7 @@ def create_status_app(sidecar: Sidecar) -> FastAPI:
 
 def create_app(sidecar: Sidecar) -> FastAPI:
     app = FastAPI(title="kvpool sidecar", version="0.1.0")
+    app.add_middleware(BoundedJsonBodies)
     _install_error_handlers(app)
     _add_status_routes(app, sidecar)
     store = sidecar.store
@@ -173,10 +176,15 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         end = slot.offset + slot.length
         digest = xxhash.xxh3_64()  # over the body as received, never over the arena
         expired = False
+        # Renewals keep a reservation alive while its body streams in, but never past this: a
+        # client trickling bytes would otherwise hold its share of the arena for as long as it likes.
+        deadline = time.monotonic() + store.lease_seconds
         try:
             async for piece in _stream(request):
                 if pos + len(piece) > end:
                     raise BodyError(400, "body longer than its Content-Length")
+                if time.monotonic() > deadline:
+                    raise BodyError(408, f"body not received within {store.lease_seconds:g} s: not stored")
                 # A slow body may outlive its reservation; the extent may be another chunk's by
                 # then: not one more byte goes there (the rest is read, so the answer can be).
                 expired = expired or not store.renew(slot)
