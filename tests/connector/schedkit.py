@@ -164,16 +164,24 @@ def model_output(scheduler: Scheduler, so, invalid: set[int] | None = None) -> M
     )
 
 
-def run_to_end(scheduler: Scheduler, max_steps: int = 500, counters: dict[str, Any] | None = None) -> list:
+def run_to_end(
+    scheduler: Scheduler,
+    max_steps: int = 500,
+    counters: dict[str, Any] | None = None,
+    fail_loads: bool = False,
+) -> list:
     """Steps until nothing is left; returns the scheduler outputs (their connector metadata included).
-    `counters` sums the connector's counters as the engine reports them."""
+    `counters` sums the connector's counters as the engine reports them; with `fail_loads` every
+    load fails (a worker that can never load what the sidecar offers)."""
     outputs = []
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
             return outputs
         so = scheduler.schedule()
         outputs.append(so)
-        for eco in scheduler.update_from_output(so, model_output(scheduler, so)).values():
+        failed = {b for ld in so.kv_connector_metadata.loads for op in ld.chunks for b in op.block_ids}
+        output = model_output(scheduler, so, invalid=failed if fail_loads else None)
+        for eco in scheduler.update_from_output(so, output).values():
             stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
             if counters is not None:  # the connector's counters, as KVPoolStats.to_dict() gave them
                 for name, value in (stats or {}).items():

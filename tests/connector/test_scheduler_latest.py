@@ -230,15 +230,8 @@ def test_a_load_that_fails_every_time_is_tried_once(tiny_model, sidecar) -> None
     tokens = prompt(96, 21)
     store_chunks(s, client, tokens, 3)
     s.add_request(make_request(tokens))
-    loads = 0
-    for _ in range(200):
-        if not s.has_unfinished_requests():
-            break
-        so = s.schedule()
-        failed = {b for ld in so.kv_connector_metadata.loads for op in ld.chunks for b in op.block_ids}
-        loads += len(so.kv_connector_metadata.loads)
-        s.update_from_output(so, model_output(s, so, invalid=failed))
-    assert not s.has_unfinished_requests() and loads == 1
+    outputs = run_to_end(s, fail_loads=True)  # before: "requests did not finish", loading forever
+    assert len(loads_of(outputs)) == 1
     assert_empty(s)
 
 
