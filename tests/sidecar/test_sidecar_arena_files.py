@@ -4,9 +4,11 @@ symlink or hard link, group-only where the directory gives a shared group (a pod
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from kvtest import start_sidecar
@@ -62,7 +64,7 @@ def test_files_are_group_only_where_their_users_share_a_group(tmp_path) -> None:
     for directory, flags, mode in (
         (fs_group, [], 0o660),
         (supplemental, ["--shared-group"], 0o660),  # what the operator injects
-        (private, [], 0o666),
+        (private, [], 0o600),  # no shared group: this user's only
     ):
         proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), *flags)
         try:
@@ -70,6 +72,30 @@ def test_files_are_group_only_where_their_users_share_a_group(tmp_path) -> None:
             assert _mode(directory / "control.sock") == mode
         finally:
             proc.stop()
+
+
+def test_without_a_shared_group_another_user_can_neither_write_the_arena_nor_reach_the_socket() -> None:
+    """Whoever can write the arena or reach the control socket can plant a chunk that vLLM loads. In a
+    directory every user can enter, only the files' modes keep another user out."""
+    directory = Path(tempfile.mkdtemp(prefix="kvpool-modes-", dir="/dev/shm"))
+    os.chmod(directory, 0o755)
+    proc = start_sidecar(directory, "1Mi", [], "--arena-dir", str(directory))
+    try:
+        assert _as_nobody(f"open({str(directory / 'arena')!r}, 'r+b')") == "PermissionError"
+        connect = f"__import__('socket').socket(1).connect({str(directory / 'control.sock')!r})"
+        assert _as_nobody(connect) == "PermissionError"
+    finally:
+        proc.stop()
+        shutil.rmtree(directory)
+
+
+def _as_nobody(statement: str) -> str:
+    """Runs `statement` as uid/gid 65534 with Debian's python3 (which that user can run); the name of
+    the exception it raised, or 'ok'."""
+    code = f"try:\n    {statement}\n    print('ok')\nexcept Exception as e:\n    print(type(e).__name__)"
+    argv = ["/usr/bin/python3", "-I", "-c", code]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30, user=65534, group=65534, cwd="/")
+    return done.stdout.strip() or done.stderr
 
 
 def test_an_arena_dir_that_is_a_symlink_is_refused(tmp_path) -> None:

@@ -21,9 +21,9 @@ def file_mode(directory: Path, shared_group: bool) -> int:
     Group-only (0660) where the files get a group every user of the arena has: this process's own
     when `shared_group` says so (the operator puts the sidecar's group in the pod's
     supplementalGroups), or the directory's when it has the set-group-ID bit (an emptyDir with a pod
-    fsGroup). Otherwise the vLLM container may run as any user with no group in common: 0666, and the
-    directory must be private to the pod (an emptyDir only the sidecar and vLLM mount)."""
-    return 0o660 if shared_group or directory.stat().st_mode & stat.S_ISGID else 0o666
+    fsGroup). Otherwise this user's only (0600): whoever can write the arena or reach the socket can
+    plant a chunk that vLLM loads, so vLLM must run as the same user or share a group."""
+    return 0o660 if shared_group or directory.stat().st_mode & stat.S_ISGID else 0o600
 
 
 def check_directory(directory: Path) -> None:
