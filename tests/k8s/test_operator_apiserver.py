@@ -315,6 +315,44 @@ def test_pods_kvpool_cannot_configure_are_admitted_untouched_told_and_counted(op
     wait_until(told, 60, "a warning event on the pool for each skipped pod")
 
 
+def _limited_namespace(cp: ControlPlane, name: str, kind: str, spec: dict[str, Any], capacity: str) -> str:
+    """A namespace with one LimitRange or ResourceQuota and a Ready pool of `capacity`."""
+    ns = namespace(cp, name)
+    apply(
+        cp, {"apiVersion": "v1", "kind": kind, "metadata": {"name": "limits", "namespace": ns}, "spec": spec}
+    )
+    apply(cp, cpu_pool(ns, capacity=capacity))
+    wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    return ns
+
+
+def test_a_pod_the_sidecar_would_push_over_a_limit_range_is_admitted_untouched(operator: tuple) -> None:
+    """The API server checks LimitRanges and quotas after the webhook: a sidecar that pushed the pod
+    over got it refused (a Deployment stayed at 0/2), whatever the webhook's failurePolicy."""
+    cp, _ = operator
+    limits = {"limits": [{"type": "Container", "max": {"memory": "12Gi"}}]}
+    ns = _limited_namespace(cp, "vllm-limits", "LimitRange", limits, "16Gi")
+    apply(cp, bare_pod(ns, "big", container("vllm", **VLLM)))  # refused before: 16Gi sidecar > 12Gi max
+    pod = get_json(cp, "-n", ns, "pod", "big")
+    assert untouched(pod) and "initContainers" not in pod["spec"]
+    assert pod["metadata"]["annotations"]["kvpool.dev/skipped"].startswith("LimitRangeExceeded: ")
+
+
+def test_a_pod_the_sidecar_would_push_over_a_quota_is_admitted_untouched(operator: tuple) -> None:
+    cp, _ = operator
+    ns = _limited_namespace(cp, "vllm-quota", "ResourceQuota", {"hard": {"requests.memory": "20Gi"}}, "8Gi")
+    memory = {"resources": {"requests": {"memory": "4Gi"}, "limits": {"memory": "4Gi"}}}
+    apply(cp, bare_pod(ns, "first", container("vllm", **VLLM, **memory)))  # 4Gi and its 8Gi sidecar fit
+    assert "kvpool.dev/skipped" not in get_json(cp, "-n", ns, "pod", "first")["metadata"].get(
+        "annotations", {}
+    )
+    apply(cp, bare_pod(ns, "second", container("vllm", **VLLM, **memory)))  # refused before: 24Gi > 20Gi
+    pod = get_json(cp, "-n", ns, "pod", "second")
+    assert untouched(pod) and pod["metadata"]["annotations"]["kvpool.dev/skipped"].startswith(
+        "QuotaExceeded: "
+    )
+
+
 def test_the_webhook_sees_only_namespaces_that_opt_in(operator: tuple) -> None:
     cp, _ = operator
     ns = namespace(cp, "vllm-not-opted-in", opt_in=False)

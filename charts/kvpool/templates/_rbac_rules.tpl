@@ -25,6 +25,11 @@
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [get, create, patch]
+# The webhook checks that a pod still fits its namespace's LimitRanges and ResourceQuotas with the
+# sidecar (the API server refuses it otherwise).
+- apiGroups: [""]
+  resources: [limitranges, resourcequotas]
+  verbs: [list]
 # Events for what changed and what is wrong.
 - apiGroups: [""]
   resources: [events]

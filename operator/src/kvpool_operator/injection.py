@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_operator import names
+from kvpool_operator.admission_fit import added_by_injection
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
 from kvpool_operator.pods import opted_out
 from kvpool_operator.pool import Pool, problems
@@ -33,11 +34,24 @@ class Decision:
     warnings: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class NamespaceLimits:
+    """The pod's namespace's LimitRanges and ResourceQuotas, as the API server lists them."""
+
+    limit_ranges: list[dict[str, Any]] = field(default_factory=list)
+    quotas: list[dict[str, Any]] = field(default_factory=list)
+
+
 def decide(
-    pod: Mapping[str, Any], namespace: str, pools: Iterable[Pool], settings: OperatorSettings
+    pod: Mapping[str, Any],
+    namespace: str,
+    pools: Iterable[Pool],
+    settings: OperatorSettings,
+    limits: NamespaceLimits | Skip | None = None,
 ) -> Decision:
     """Which pool (if exactly one) claims this pod, and the injected pod; a pod a pool claims but
-    kvpool cannot configure is admitted without the cache, annotated with the reason."""
+    kvpool cannot configure, or that the sidecar would push over its namespace's `limits`, is
+    admitted without the cache, annotated with the reason."""
     if opted_out(pod):
         return Decision(None)
     labels = (pod.get("metadata") or {}).get("labels") or {}
@@ -46,11 +60,24 @@ def decide(
         return Decision(None)
     outcome = _configurable(pod, claiming)
     if isinstance(outcome, Skip):
-        skipped = remove_injection(pod)
-        annotations = skipped.setdefault("metadata", {}).setdefault("annotations", {})
-        annotations[names.SKIPPED_ANNOTATION] = f"{outcome.reason}: {outcome.message}"
-        return Decision(skipped, claiming, [f"kvpool: admitted without a cache: {outcome.message}"])
-    return Decision(inject(pod, claiming[0], settings, outcome), claiming)
+        return _skip(pod, claiming, outcome)
+    if isinstance(limits, Skip):  # unknown whether the pod fits with the sidecar: never risk a refusal
+        return _skip(pod, claiming, limits)
+    injected = inject(pod, claiming[0], settings, outcome)
+    if limits is not None:
+        # checked against the pod as sent, without an earlier injection (a re-admitted pod)
+        unfit = added_by_injection(remove_injection(pod), injected, limits.limit_ranges, limits.quotas)
+        if unfit is not None:
+            return _skip(pod, claiming, Skip(*unfit))
+    return Decision(injected, claiming)
+
+
+def _skip(pod: Mapping[str, Any], claiming: list[Pool], why: Skip) -> Decision:
+    """The pod without the cache, annotated with why."""
+    skipped = remove_injection(pod)
+    annotations = skipped.setdefault("metadata", {}).setdefault("annotations", {})
+    annotations[names.SKIPPED_ANNOTATION] = f"{why.reason}: {why.message}"
+    return Decision(skipped, claiming, [f"kvpool: admitted without a cache: {why.message}"])
 
 
 def _configurable(pod: Mapping[str, Any], claiming: list[Pool]) -> int | Skip:

@@ -43,6 +43,9 @@ KINDS: dict[str, Kind] = {
     "StatefulSet": Kind("apis/apps/v1", "statefulsets", frozenset({"get", "create", "patch"})),
     "Pod": Kind("api/v1", "pods", frozenset({"list"})),
     "Event": Kind("api/v1", "events", frozenset({"create"})),
+    # the webhook: does the pod still fit its namespace's limits with the sidecar (admission_fit.py)
+    "LimitRange": Kind("api/v1", "limitranges", frozenset({"list"})),
+    "ResourceQuota": Kind("api/v1", "resourcequotas", frozenset({"list"})),
     # the webhook's pool index (pool_index.py), followed by every replica
     "KVCachePool": Kind("apis/kvpool.dev/v1alpha1", "kvcachepools", frozenset({"list", "watch"})),
 }

@@ -14,8 +14,10 @@ from typing import Any
 import kopf
 
 from kvpool_operator import events
-from kvpool_operator.injection import decide
+from kvpool_operator.injection import NamespaceLimits, decide
+from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pool import Pool
+from kvpool_operator.vllm_target import Skip
 
 HANDLER_ID = "kvpool-inject"  # the webhook path is /kvpool-inject
 
@@ -45,7 +47,9 @@ async def inject(
     """
     pod = copy.deepcopy(dict(body))
     namespace = (pod.get("metadata") or {}).get("namespace") or ""
-    decision = decide(pod, namespace, pools, memo.settings)
+    pools = list(pools)
+    limits = await namespace_limits(memo.kube, namespace) if pools else None
+    decision = decide(pod, namespace, pools, memo.settings, limits)
     warnings.extend(decision.warnings)
     if decision.pod is not None:
         new = decision.pod
@@ -58,6 +62,18 @@ async def inject(
     if decision.warnings and not dryrun:
         for pool in decision.pools:
             _background(memo, events.post(memo.kube, pool, "Warning", "PodNotInjected", decision.warnings[0]))
+
+
+async def namespace_limits(kube: Kube, namespace: str) -> NamespaceLimits | Skip:
+    """The namespace's LimitRanges and ResourceQuotas (two lists, only where a pool lives); when they
+    cannot be read, why (a pod whose fit is unknown gets no sidecar rather than a refusal)."""
+    try:
+        (ranges, _), (quotas, _) = await asyncio.gather(
+            kube.list_objects("LimitRange", namespace), kube.list_objects("ResourceQuota", namespace)
+        )
+    except (ApiError, OSError, TimeoutError) as e:
+        return Skip("LimitsUnreadable", f"cannot read the namespace's LimitRanges and ResourceQuotas: {e}")
+    return NamespaceLimits(ranges, quotas)
 
 
 def _background(memo: Any, coro: Any) -> None:
