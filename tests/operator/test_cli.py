@@ -43,6 +43,15 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert op.settings.admission.server.certfile == "/c.pem"  # type: ignore[union-attr]
 
 
+def test_service_links_in_the_environment_lose_to_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a real kubelet gives the operator's pod when the release's webhook Service is named
+    kvpool-webhook (found on the real node: the operator crash-looped before its first log line)."""
+    monkeypatch.setenv("KVPOOL_WEBHOOK_PORT", "tcp://10.96.210.117:443")
+    monkeypatch.setenv("KVPOOL_WEBHOOK_SERVICE_PORT", "443")
+    op = build(["--webhook-insecure", "--webhook-port", "9443"])
+    assert op.settings.admission.server.port == 9443  # type: ignore[union-attr]
+
+
 def test_refuses_to_serve_the_webhook_without_tls_or_an_explicit_insecure() -> None:
     with pytest.raises(SystemExit, match="webhook-cert"):
         main(["--standalone"])

@@ -22,6 +22,10 @@ from kvpool_operator.webhook import WebhookServer
 
 
 def _env(flag: str, default: Any) -> Any:
+    """The flag's KVPOOL_<FLAG> fallback. Typed flags get it as a string default, which argparse
+    converts only when the flag is not given: Kubernetes puts service links such as
+    KVPOOL_WEBHOOK_PORT=tcp://10.96.0.7:443 into every pod of a namespace holding a Service named
+    kvpool-webhook, and an explicit flag must win over them, not crash on them."""
     return os.environ.get("KVPOOL_" + flag.upper().replace("-", "_"), default)
 
 
@@ -58,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--peering-lifetime",
         type=int,
-        default=int(_env("peering-lifetime", 30)),
+        default=str(_env("peering-lifetime", 30)),
         help="seconds a replica's peering entry lives without a refresh: how soon a standby takes over "
         "from a leader that died without saying so [30]",
     )
@@ -67,7 +71,7 @@ def parser() -> argparse.ArgumentParser:
         default=_env("webhook-addr", ""),
         help="the webhook's address (empty: every address, IPv4 and IPv6)",
     )
-    p.add_argument("--webhook-port", type=int, default=int(_env("webhook-port", 9443)))
+    p.add_argument("--webhook-port", type=int, default=str(_env("webhook-port", 9443)))
     p.add_argument("--webhook-cert", default=_env("webhook-cert", None), help="TLS certificate (PEM)")
     p.add_argument("--webhook-key", default=_env("webhook-key", None), help="TLS private key (PEM)")
     p.add_argument(
@@ -76,8 +80,8 @@ def parser() -> argparse.ArgumentParser:
         default=_truthy(_env("webhook-insecure", "")),
         help="plain HTTP (tests, or TLS terminated in front)",
     )
-    p.add_argument("--stats-interval", type=float, default=float(_env("stats-interval", 30)))
-    p.add_argument("--scale-cooldown", type=float, default=float(_env("scale-cooldown", 300)))
+    p.add_argument("--stats-interval", type=float, default=str(_env("stats-interval", 30)))
+    p.add_argument("--scale-cooldown", type=float, default=str(_env("scale-cooldown", 300)))
     p.add_argument("--sidecar-image", default=_env("sidecar-image", DEFAULT_SIDECAR_IMAGE))
     p.add_argument(
         "--legacy-sidecar",
