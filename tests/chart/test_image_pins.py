@@ -12,12 +12,17 @@ from chartkit import REPO
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+# The Pythons an image may run: this one (the tests'), python:3.11-slim's, and Debian bookworm's 3.11.2,
+# the base the real node's images are built on. A dependency behind a marker (redis-py needs
+# async-timeout before 3.11.3) belongs in the image if any of them needs it: its line carries the marker.
+IMAGE_PYTHONS = [{}, {"python_full_version": "3.11.2", "python_version": "3.11"}]
+
 
 def read_pins(*files: str) -> dict[str, str]:
     pins: dict[str, str] = {}
     for file in files:
         for line in (REPO / "requirements" / file).read_text().splitlines():
-            line = line.split("#")[0].strip()
+            line = line.split("#")[0].split(";")[0].strip()
             if line:
                 name, version = line.split("==")
                 pins[canonicalize_name(name)] = version
@@ -25,7 +30,8 @@ def read_pins(*files: str) -> dict[str, str]:
 
 
 def closure(roots: list[str]) -> set[str]:
-    """Every distribution the roots need, by the installed packages' own metadata."""
+    """Every distribution the roots need on any of IMAGE_PYTHONS, by the packages' own metadata (one
+    not installed here, needed only by another Python, is counted without its own dependencies)."""
     seen: set[str] = set()
     todo = [Requirement(r) for r in roots]
     while todo:
@@ -36,9 +42,15 @@ def closure(roots: list[str]) -> set[str]:
         if key in seen:
             continue
         seen.add(key)
-        for dep in importlib.metadata.distribution(name).requires or []:
+        try:
+            requires = importlib.metadata.distribution(name).requires or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for dep in requires:
             dep_req = Requirement(dep)
-            if dep_req.marker is None or any(dep_req.marker.evaluate({"extra": e}) for e in extras):
+            marker = dep_req.marker
+            envs = [{**py, "extra": e} for e in extras for py in IMAGE_PYTHONS]
+            if marker is None or any(marker.evaluate(env) for env in envs):
                 todo.append(dep_req)
     return {k.split("[")[0] for k in seen}
 
