@@ -27,7 +27,8 @@ pip_in() {
 stamp_of() { cat "$@" scripts/bootstrap.sh 2>/dev/null | sha256sum | cut -d' ' -f1; }
 
 # Debian packages: redis-server always (the demo and the tests start their own); for the tests also
-# podman, runc and mmdebstrap (the sidecar image is built and run with podman from a Debian base).
+# podman, runc and mmdebstrap (the images are built with podman from a Debian base) and containerd
+# (the real node's runtime).
 ensure_debian_packages() {
   local missing=() cmd pkg
   for pair in "$@"; do
@@ -74,12 +75,13 @@ ensure_latest_venv() {
 
 if [ "${1:-}" = "--for-tests" ]; then
   ensure_debian_packages redis-server:redis-server podman:podman runc:runc mmdebstrap:mmdebstrap \
-    openssl:openssl
+    openssl:openssl containerd:containerd
   ensure_main_venv
   ensure_latest_venv
-  # helm and kubectl (.tools/bin), and the real control plane the apiserver tier runs (.tools/k8s/bin)
+  # helm and kubectl (.tools/bin), the real control plane the apiserver tier runs (.tools/k8s/bin)
+  # and the real node's kubelet, kube-proxy and CoreDNS (.tools/k8s/node/bin)
   bash scripts/get-helm.sh
-  bash scripts/get-k8s.sh >/dev/null
+  bash scripts/get-k8s.sh --node >/dev/null
 else
   ensure_debian_packages redis-server:redis-server
   ensure_main_venv

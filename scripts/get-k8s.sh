@@ -6,10 +6,14 @@
 #   kube-apiserver, kube-controller-manager, kube-scheduler  (module k8s.io/kubernetes)
 #   etcd                                                     (module go.etcd.io/etcd/server/v3)
 #   kwok                                                     (module sigs.k8s.io/kwok)
+# and, with --node, the real node's kubelet and kube-proxy (module k8s.io/kubernetes, same pins) and
+# its cluster DNS, CoreDNS (module github.com/coredns/coredns, pinned by tests/node/coredns/go.mod)
 # and kwok's "fast" Stage configs (node + pod lifecycle), then installs them into
 #   <repo>/.tools/k8s/bin/      the five binaries (hard links, or copies)
 #   <repo>/.tools/k8s/stages/   kwok-fast.yaml (all fast stages, for `kwok --config`)
 #   <repo>/.tools/k8s/VERSIONS  the pins
+#   <repo>/.tools/k8s/node/bin/ kubelet, kube-proxy, coredns (--node; their own cache entry, so adding
+#                               the node never rebuilds the control plane)
 #
 # Build results are cached outside the work tree in
 #   ${KVPOOL_TOOLS_CACHE:-$HOME/.cache/kvpool/k8s}/<pins-hash>/{bin,stages,stamp}
@@ -59,6 +63,14 @@ HASH=$(printf '%s\n' "$PINS" | sha256sum | cut -c1-16)
 CACHE=$CACHE_ROOT/$HASH
 STAMP=$CACHE/stamp
 BINS=(kube-apiserver kube-controller-manager kube-scheduler etcd kwok)
+NODE_BINS=(kubelet kube-proxy coredns)
+COREDNS_SRC=$REPO_ROOT/tests/node/coredns
+NODE_PINS="kubernetes=$K8S_VERSION
+node=kubelet,kube-proxy,coredns
+coredns=$(cat "$COREDNS_SRC/go.mod" "$COREDNS_SRC/main.go" | sha256sum | cut -c1-16)
+recipe=$RECIPE_REV
+platform=$GOOS_ARCH"
+NODE_CACHE=$CACHE_ROOT/$(printf '%s\n' "$NODE_PINS" | sha256sum | cut -c1-16)
 
 NICE=()
 command -v nice >/dev/null 2>&1 && NICE=(nice -n 10)
@@ -74,8 +86,8 @@ cache_ok() {
 # Print the value of a "Key": "value" field from `go mod download -json` output.
 json_field() { sed -n "s/^[[:space:]]*\"$1\": \"\(.*\)\",\{0,1\}\$/\1/p" | head -n1; }
 
-build_k8s() {
-    local work=$1 out=$2
+build_k8s() {  # build_k8s WORK OUT CMD...  (CMD: names under k8s.io/kubernetes/cmd/)
+    local work=$1 out=$2; shift 2
     local ver=$K8S_VERSION
     local xy=${ver#v1.}              # 35.4
     local minor=${xy%%.*}            # 35
@@ -101,8 +113,7 @@ build_k8s() {
     local m args=()
     for m in $mods; do args+=("-replace=$m=$m@$staging_ver"); done
     go mod edit "${args[@]}"
-    local pkgs=(k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager
-        k8s.io/kubernetes/cmd/kube-scheduler)
+    local pkgs=("${@/#/k8s.io/kubernetes/cmd/}")
     log "kubernetes $ver: resolving modules (go get)"
     gobuild get "${pkgs[@]/%/@$ver}"
     local ld=(-s -w) k
@@ -167,7 +178,7 @@ build_all() {
     local t0=$SECONDS
     (build_etcd "$work" "$new")
     (build_kwok "$work" "$new")
-    (build_k8s "$work" "$new")
+    (build_k8s "$work" "$new" kube-apiserver kube-controller-manager kube-scheduler)
     (copy_kwok_stages "$CACHE/stages.new")
     verify "$new"
     rm -rf "$CACHE/bin" "$CACHE/stages"
@@ -202,6 +213,30 @@ install_into_repo() {
     log "installed ${BINS[*]} into $DEST/bin, kwok stages into $DEST/stages"
 }
 
+# The real node's binaries: cached and installed like the control plane's, under their own pins.
+node_binaries() {
+    local b dest=$DEST/node
+    mkdir -p "$NODE_CACHE"
+    for b in "${NODE_BINS[@]}"; do [[ -x $NODE_CACHE/bin/$b ]] || break; done
+    if [[ ! -f $NODE_CACHE/stamp || "$(cat "$NODE_CACHE/stamp")" != "$NODE_PINS" || ! -x $NODE_CACHE/bin/$b ]]; then
+        local work=$NODE_CACHE/work new=$NODE_CACHE/bin.new t0=$SECONDS
+        rm -rf "$work" "$new" "$NODE_CACHE/stamp"; mkdir -p "$work" "$new"
+        (build_k8s "$work" "$new" kubelet kube-proxy)
+        log "coredns: building (-p $JOBS)"
+        (cd "$COREDNS_SRC" && gobuild build -p "$JOBS" -trimpath -ldflags "-s -w" -o "$new/coredns" .)
+        v=$("$new/kubelet" --version 2>&1) || die "kubelet --version failed: $v"
+        [[ $v == "Kubernetes $K8S_VERSION" ]] || die "kubelet reports '$v', expected 'Kubernetes $K8S_VERSION'"
+        rm -rf "$NODE_CACHE/bin" "$work"; mv "$new" "$NODE_CACHE/bin"
+        printf '%s\n' "$NODE_PINS" >"$NODE_CACHE/stamp"
+        log "node binaries built in $((SECONDS - t0)) s"
+    fi
+    mkdir -p "$dest/bin"
+    for b in "${NODE_BINS[@]}"; do
+        cmp -s "$NODE_CACHE/bin/$b" "$dest/bin/$b" && continue
+        ln -f "$NODE_CACHE/bin/$b" "$dest/bin/$b" 2>/dev/null || cp -f "$NODE_CACHE/bin/$b" "$dest/bin/$b"
+    done
+}
+
 mkdir -p "$CACHE"
 # Serialise concurrent runs sharing one cache.
 if command -v flock >/dev/null 2>&1; then
@@ -217,4 +252,5 @@ else
     trap - ERR
 fi
 install_into_repo
+[[ ${1:-} == --node ]] && node_binaries
 printf '%s\n' "$DEST/bin"
