@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test suite: lint and type checks, the newest vLLM's scheduler tests in their own environment, then everything
-# else but the kind e2e suite (it needs Docker and kind: `make e2e-kind`) and the GPU tests (marker gpu).
+# else, the e2e scenarios on the real node included, but the vLLM scenarios that need kind (marker kind: Docker
+# and kind, `make e2e-kind`) and the GPU tests (marker gpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The kind e2e suite (`make e2e-kind`): creates a kind cluster (or reuses KVPOOL_E2E_CLUSTER), builds
+# The e2e suite on kind (`make e2e-kind`): the scenarios `make test` runs on the real node, plus
+# the vLLM scenarios. Creates a kind cluster (or reuses KVPOOL_E2E_CLUSTER), builds
 # and loads kvpool's images, installs the chart, runs a shared-Redis pool under a two-replica vLLM CPU
 # Deployment and checks what tests/e2e/test_kind.py says. Needs Docker and kind; helm and kubectl
 # come from scripts/get-helm.sh. Building the CPU vLLM image needs TORCH_INDEX_URL (an index with
@@ -10,4 +11,4 @@ cd "$(dirname "$0")/../.."
 bash scripts/get-helm.sh
 export PATH="$PWD/.tools/bin:$PATH"
 # The first run builds a vLLM image: far longer than the unit suite's per-test timeout.
-exec .venv/bin/python -m pytest -p no:cacheprovider -m kind -rs -v --timeout 5400 tests/e2e "$@"
+KVPOOL_E2E_ON=kind exec .venv/bin/python -m pytest -p no:cacheprovider -m "e2e or kind" -rs -v --timeout 5400 tests/e2e "$@"

@@ -1,4 +1,5 @@
-"""kvpool on a real cluster (kind): injection, the sidecar's endpoints, a cross-pod cache hit through
+"""vLLM on a real cluster (kind only, until the real node has a CPU vLLM image): injection, the
+sidecar's endpoints, a cross-pod cache hit through
 the shared Redis tier with identical output, honest `kubectl get kvp`, and clean deletion.
 
 The tests run in file order on one cluster: the hit-rate check reads what the cross-pod test did,
@@ -12,7 +13,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from kindkit import NAMESPACE, kubectl, kubectl_json, port_forward, vllm_pods
+from clusterkit import NAMESPACE, kubectl, kubectl_json, pods, port_forward
 from kvtest import wait_until
 from podchecks import assert_injected
 
@@ -20,6 +21,10 @@ pytestmark = pytest.mark.kind
 
 STATUS_PORT = 7071  # the pool's sidecar port 7070 + 1
 PROMPT = " ".join(f"the cache keeps token {i} of this prompt warm" for i in range(30))
+
+
+def vllm_pods() -> list[dict[str, Any]]:
+    return pods("app=vllm-e2e")
 
 
 def get_json(url: str) -> dict[str, Any]:
@@ -36,7 +41,7 @@ def complete(base: str, prompt: str) -> str:
         return json.load(r)["choices"][0]["text"]
 
 
-def test_both_pods_got_the_sidecar_and_the_config(cluster: str) -> None:
+def test_both_pods_got_the_sidecar_and_the_config(vllm_workload: str) -> None:
     pods = vllm_pods()
     assert len(pods) == 2
     pool = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared")
@@ -45,7 +50,7 @@ def test_both_pods_got_the_sidecar_and_the_config(cluster: str) -> None:
         assert all(cs["ready"] for cs in pod["status"]["containerStatuses"])
 
 
-def test_sidecar_readyz_and_stats_through_port_forward(cluster: str) -> None:
+def test_sidecar_readyz_and_stats_through_port_forward(vllm_workload: str) -> None:
     for pod in vllm_pods():
         with port_forward(pod["metadata"]["name"], STATUS_PORT) as url:
             with urllib.request.urlopen(url + "/readyz", timeout=10) as r:
@@ -55,7 +60,7 @@ def test_sidecar_readyz_and_stats_through_port_forward(cluster: str) -> None:
             assert stats["tiers"]["redis"]["ready"] is True
 
 
-def test_same_prompt_on_a_then_b_is_a_hit_on_b_with_identical_output(cluster: str) -> None:
+def test_same_prompt_on_a_then_b_is_a_hit_on_b_with_identical_output(vllm_workload: str) -> None:
     a, b = (p["metadata"]["name"] for p in vllm_pods())
     with port_forward(a, 8000) as vllm_a, port_forward(a, STATUS_PORT) as side_a:
         text_a = complete(vllm_a, PROMPT)
@@ -71,7 +76,7 @@ def test_same_prompt_on_a_then_b_is_a_hit_on_b_with_identical_output(cluster: st
     assert text_b == text_a
 
 
-def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(cluster: str) -> None:
+def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(vllm_workload: str) -> None:
     def status() -> dict[str, Any] | None:
         s = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared").get("status", {})
         return s if s.get("readyPods") == 2 and float(s.get("stats", {}).get("hitRate") or 0) > 0 else None
@@ -86,7 +91,7 @@ def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(cluster: str) -> None:
     assert row.split()[0] == "shared" and "redis" in row
 
 
-def test_deleting_the_pool_cleans_up(cluster: str) -> None:
+def test_deleting_the_pool_cleans_up(vllm_workload: str) -> None:
     kubectl("-n", NAMESPACE, "delete", "kvp", "shared", "--wait=true", "--timeout=120s")
     owned = ["configmap/shared-kvpool", "statefulset/shared-kvpool-redis", "service/shared-kvpool-redis",
              "secret/shared-kvpool-redis"]  # fmt: skip

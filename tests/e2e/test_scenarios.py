@@ -1,0 +1,203 @@
+"""kvpool's pods on a real kubelet: the chart's operator image serving the webhook through its
+Service, pools injecting real pods whose native sidecar runs from kvpool's image, the shared Redis tier
+as real Redis pods reached by their DNS names, a killed sidecar, a rolling update, a namespace under
+Pod Security `restricted`, and an uninstall that leaves nothing behind.
+
+The workload is a stand-in for vLLM (manifests/vllm_standin.py) in kvpool's sidecar image: it reports
+what the vLLM container sees (its argv, the arena's files and whether it may use them). The tests run
+in file order on one cluster; the last one uninstalls.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from clusterkit import (
+    HERE,
+    NAMESPACE,
+    RELEASE_NAMESPACE,
+    Cluster,
+    condition,
+    container_status,
+    helm,
+    kubectl,
+    kubectl_json,
+    pods,
+    port_forward,
+)
+from kvtest import wait_until
+from podchecks import assert_injected
+
+pytestmark = pytest.mark.e2e
+
+STATUS_PORT = 7071  # the pools' default sidecar port 7070 + 1
+RESTRICTED = "kvpool-e2e-restricted"
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+def apply(manifest: dict[str, Any] | str) -> None:
+    kubectl("apply", "-f", "-", stdin=manifest if isinstance(manifest, str) else json.dumps(manifest))
+
+
+def pool(name: str, namespace: str, selector: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"selector": {"matchLabels": {"app": selector}}, "capacity": "64Mi", "chunkSize": 32,
+                     "vllmContainer": "vllm", **spec}}  # fmt: skip
+
+
+def workload(cluster: Cluster, name: str, namespace: str, replicas: int = 2) -> None:
+    """The stand-in Deployment (manifests/workload.yaml) and the ConfigMap holding its script."""
+    script = HERE / "manifests" / "vllm_standin.py"
+    apply(kubectl("-n", namespace, "create", "configmap", "vllm-standin", f"--from-file={script}",
+                  "--dry-run=client", "-o", "json"))  # fmt: skip
+    text = (
+        (HERE / "manifests" / "workload.yaml").read_text().replace("SIDECAR_IMAGE", cluster.images["sidecar"])
+    )
+    text = text.replace("NAME", name).replace("replicas: 2", f"replicas: {replicas}")
+    kubectl("-n", namespace, "apply", "-f", "-", stdin=text)
+
+
+def rolled_out(name: str, namespace: str) -> None:
+    kubectl("-n", namespace, "rollout", "status", f"deployment/{name}", "--timeout", "180s", timeout=200)
+
+
+def ready_pods(selector: str, count: int, namespace: str) -> list[dict[str, Any]]:
+    def all_ready() -> list[dict[str, Any]] | None:
+        found = pods(selector, namespace)
+        ok = len(found) == count and all(
+            all(s.get("ready") for s in p["status"].get("containerStatuses", []) + p["status"].get(
+                "initContainerStatuses", [])) and p["status"].get("containerStatuses")
+            for p in found
+        )  # fmt: skip
+        return found if ok else None
+
+    return wait_until(all_ready, 180, f"{count} pods {selector} in {namespace} with every container ready")
+
+
+def report(pod: str, namespace: str) -> dict[str, Any]:
+    with port_forward(pod, 8000, namespace) as url:
+        return get_json(url + "/report")
+
+
+def test_the_operator_runs_from_its_image_with_two_replicas(cluster: Cluster) -> None:
+    deployment = kubectl_json("-n", RELEASE_NAMESPACE, "get", "deployment", "kvpool")
+    assert deployment["status"].get("readyReplicas") == 2
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == cluster.images["operator"]
+    slices = kubectl_json("-n", RELEASE_NAMESPACE, "get", "endpointslices", "-l",
+                          "kubernetes.io/service-name=kvpool-webhook")["items"]  # fmt: skip
+    ready = [e for s in slices for e in s.get("endpoints") or [] if e["conditions"].get("ready")]
+    assert len(ready) == 2  # the API server reaches the webhook through its Service
+
+
+def test_a_cpu_pool_injects_real_pods_whose_sidecar_serves(cluster: Cluster) -> None:
+    apply(pool("cpu", NAMESPACE, "work-cpu"))
+    wait_until(lambda: condition("cpu", "Ready") is not None, 60, "the cpu pool's first status")
+    workload(cluster, "work-cpu", NAMESPACE)
+    rolled_out("work-cpu", NAMESPACE)
+    found = ready_pods("app=work-cpu", 2, NAMESPACE)
+    published = kubectl_json("-n", NAMESPACE, "get", "kvp", "cpu")
+    for p in found:
+        assert_injected(p, published, "vllm")
+        sidecar = next(c for c in p["spec"]["initContainers"] if c["name"] == "kvpool-sidecar")
+        assert sidecar["image"] == cluster.images["sidecar"]
+        with port_forward(p["metadata"]["name"], STATUS_PORT) as url:
+            stats = get_json(url + "/stats")
+            assert stats["capacity_bytes"] == 64 * 2**20
+        seen = report(p["metadata"]["name"], NAMESPACE)
+        assert "--kv-transfer-config" in seen["argv"]
+        # the vLLM container (another uid) can use the arena the sidecar made: what the connector needs
+        assert seen["arena_files"] and all(seen["arena_rw"].values()), seen
+
+    def pool_ready() -> dict[str, Any] | None:
+        s = kubectl_json("-n", NAMESPACE, "get", "kvp", "cpu").get("status", {})
+        return s if s.get("readyPods") == 2 and condition("cpu", "Ready") == "True" else None
+
+    wait_until(pool_ready, 120, "the cpu pool to count two ready pods and say Ready")
+
+
+def test_the_shared_redis_tier_runs_as_real_redis_pods_reached_by_name(cluster: Cluster) -> None:
+    redis = {"mode": "shared", "replicas": 1, "memory": "64Mi", "image": cluster.images["redis"]}
+    apply(pool("shared", NAMESPACE, "work-redis", backend="redis", redis=redis))
+    workload(cluster, "work-redis", NAMESPACE, replicas=1)
+    rolled_out("work-redis", NAMESPACE)
+    (p,) = ready_pods("app=work-redis", 1, NAMESPACE)
+    shard = kubectl_json("-n", NAMESPACE, "get", "statefulset", "shared-kvpool-redis")
+    assert shard["status"].get("readyReplicas") == 1
+    with port_forward(p["metadata"]["name"], STATUS_PORT) as url:
+        # the sidecar found the shard through its Service's DNS name (CoreDNS on the node)
+        tier = wait_until(lambda: (t := get_json(url + "/stats")["tiers"]["redis"])["ready"] and t, 120,
+                          "the sidecar's Redis tier to be ready")  # fmt: skip
+    assert tier["ready"] is True
+    wait_until(lambda: condition("shared", "Ready") == "True", 120, "the shared pool to say Ready")
+
+
+def test_a_killed_sidecar_restarts_and_the_vllm_container_keeps_running(cluster: Cluster) -> None:
+    first = pods("app=work-cpu", NAMESPACE)[0]
+    name, uid = first["metadata"]["name"], first["metadata"]["uid"]
+    before = container_status(first, "kvpool-sidecar")
+    vllm_restarts = container_status(first, "vllm")["restartCount"]
+    cluster.kill_container(before["containerID"])
+
+    def restarted() -> dict[str, Any] | None:
+        p = kubectl_json("-n", NAMESPACE, "get", "pod", name)
+        s = container_status(p, "kvpool-sidecar")
+        return p if s["restartCount"] > before["restartCount"] and s.get("ready") else None
+
+    after = wait_until(restarted, 120, "the killed sidecar to be restarted and ready again")
+    assert after["metadata"]["uid"] == uid  # the same pod: a sidecar restart never replaces it
+    assert container_status(after, "vllm")["restartCount"] == vllm_restarts
+    seen = report(name, NAMESPACE)
+    assert seen["arena_files"] and all(seen["arena_rw"].values()), seen  # a fresh arena, usable again
+
+
+def test_a_rolling_update_keeps_the_injection(cluster: Cluster) -> None:
+    old = {p["metadata"]["name"] for p in pods("app=work-cpu", NAMESPACE)}
+    kubectl("-n", NAMESPACE, "patch", "deployment", "work-cpu", "--type", "merge", "-p",
+            json.dumps({"spec": {"template": {"metadata": {"annotations": {"e2e/rev": "2"}}}}}))  # fmt: skip
+    rolled_out("work-cpu", NAMESPACE)
+    found = ready_pods("app=work-cpu", 2, NAMESPACE)
+    assert not old & {p["metadata"]["name"] for p in found}
+    published = kubectl_json("-n", NAMESPACE, "get", "kvp", "cpu")
+    for p in found:
+        assert_injected(p, published, "vllm")
+
+
+def test_a_restricted_namespace_runs_injected_pods(cluster: Cluster) -> None:
+    kubectl("create", "namespace", RESTRICTED, check=False)
+    kubectl("label", "namespace", RESTRICTED, "kvpool.dev/injection=enabled",
+            "pod-security.kubernetes.io/enforce=restricted", "--overwrite")  # fmt: skip
+    apply(pool("cpu", RESTRICTED, "work-restricted"))
+    workload(cluster, "work-restricted", RESTRICTED, replicas=1)
+    rolled_out("work-restricted", RESTRICTED)
+    (p,) = ready_pods("app=work-restricted", 1, RESTRICTED)
+    assert_injected(p, kubectl_json("-n", RESTRICTED, "get", "kvp", "cpu"), "vllm")
+    seen = report(p["metadata"]["name"], RESTRICTED)
+    assert seen["arena_files"] and all(seen["arena_rw"].values()), seen
+
+
+def test_uninstall_leaves_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    namespaces = (NAMESPACE, RESTRICTED)
+    for ns in namespaces:
+        kubectl("-n", ns, "delete", "kvp", "--all", "--wait=true", "--timeout=60s", timeout=90)
+    helm("uninstall", "kvpool", "--namespace", RELEASE_NAMESPACE, "--wait", "--timeout", "120s", timeout=150)
+    kubectl("delete", "namespace", *namespaces, RELEASE_NAMESPACE, "--wait=false")
+
+    def gone() -> bool:
+        left = kubectl("get", "namespaces", "-o", "name").split()
+        return not {f"namespace/{ns}" for ns in (*namespaces, RELEASE_NAMESPACE)} & set(left)
+
+    wait_until(gone, 120, "the namespaces to be deleted")
+    hooks = kubectl("get", "mutatingwebhookconfigurations,validatingwebhookconfigurations", "-o", "name")
+    assert "kvpool" not in hooks
+    leftovers = kubectl("get", "clusterroles,clusterrolebindings", "-o", "name")
+    assert "kvpool" not in leftovers
