@@ -52,20 +52,17 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., st
     assert base.returncode == 0, base.stderr
 
     wheelhouse = tmp_path_factory.mktemp("wheelhouse")
-    # every pinned wheel, markers dropped: a line only another Python needs (async-timeout before
-    # 3.11.3) is skipped by this one's pip, but the image's Python (Debian's 3.11.2) needs it
-    pinned = wheelhouse / "pinned.txt"
-    pinned.write_text("".join(
-        line.split(";")[0] + "\n"
-        for name in ("sidecar.txt", "build.txt")
-        for line in (REPO / "requirements" / name).read_text().splitlines()
-    ))  # fmt: skip
     download = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "-r", pinned,
-         "-d", wheelhouse],
+        [
+            "bash",
+            PODMAN_DIR / "wheelhouse.sh",
+            wheelhouse,
+            *(REPO / "requirements" / f for f in ("sidecar.txt", "build.txt")),
+        ],
         capture_output=True,
         text=True,
-    )  # fmt: skip
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     assert download.returncode == 0, download.stderr
     tags: list[str] = []
 
