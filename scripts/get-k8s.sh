@@ -76,12 +76,17 @@ NICE=()
 command -v nice >/dev/null 2>&1 && NICE=(nice -n 10)
 gobuild() { "${NICE[@]}" go "$@"; }
 
-cache_ok() {
-    [[ -f $STAMP ]] && [[ "$(cat "$STAMP")" == "$PINS" ]] || return 1
-    local b
-    for b in "${BINS[@]}"; do [[ -x $CACHE/bin/$b ]] || return 1; done
-    [[ -f $CACHE/stages/kwok-fast.yaml ]]
+# built DIR PINS BIN...: DIR holds a build of exactly PINS with every BIN in DIR/bin
+built() {
+    local dir=$1 pins=$2 b; shift 2
+    [[ -f $dir/stamp ]] && [[ "$(cat "$dir/stamp")" == "$pins" ]] || return 1
+    for b; do [[ -x $dir/bin/$b ]] || return 1; done
 }
+
+cache_ok() { built "$CACHE" "$PINS" "${BINS[@]}" && [[ -f $CACHE/stages/kwok-fast.yaml ]]; }
+
+# Hard link when on the same filesystem (no copy, survives cache removal), else copy.
+link_or_copy() { ln -f "$1" "$2" 2>/dev/null || cp -f "$1" "$2"; }
 
 # Print the value of a "Key": "value" field from `go mod download -json` output.
 json_field() { sed -n "s/^[[:space:]]*\"$1\": \"\(.*\)\",\{0,1\}\$/\1/p" | head -n1; }
@@ -204,10 +209,7 @@ install_into_repo() {
     fi
     rm -rf "$DEST/bin" "$DEST/stages"
     mkdir -p "$DEST/bin" "$DEST/stages"
-    for b in "${BINS[@]}"; do
-        # Hard link when on the same filesystem (no copy, survives cache removal), else copy.
-        ln -f "$CACHE/bin/$b" "$DEST/bin/$b" 2>/dev/null || cp -f "$CACHE/bin/$b" "$DEST/bin/$b"
-    done
+    for b in "${BINS[@]}"; do link_or_copy "$CACHE/bin/$b" "$DEST/bin/$b"; done
     cp -f "$CACHE/stages/"*.yaml "$DEST/stages/"
     printf '%s\n' "$PINS" >"$DEST/VERSIONS"
     log "installed ${BINS[*]} into $DEST/bin, kwok stages into $DEST/stages"
@@ -215,10 +217,9 @@ install_into_repo() {
 
 # The real node's binaries: cached and installed like the control plane's, under their own pins.
 node_binaries() {
-    local b dest=$DEST/node
+    local b v dest=$DEST/node
     mkdir -p "$NODE_CACHE"
-    for b in "${NODE_BINS[@]}"; do [[ -x $NODE_CACHE/bin/$b ]] || break; done
-    if [[ ! -f $NODE_CACHE/stamp || "$(cat "$NODE_CACHE/stamp")" != "$NODE_PINS" || ! -x $NODE_CACHE/bin/$b ]]; then
+    if ! built "$NODE_CACHE" "$NODE_PINS" "${NODE_BINS[@]}"; then
         local work=$NODE_CACHE/work new=$NODE_CACHE/bin.new t0=$SECONDS
         rm -rf "$work" "$new" "$NODE_CACHE/stamp"; mkdir -p "$work" "$new"
         (build_k8s "$work" "$new" kubelet kube-proxy)
@@ -232,8 +233,7 @@ node_binaries() {
     fi
     mkdir -p "$dest/bin"
     for b in "${NODE_BINS[@]}"; do
-        cmp -s "$NODE_CACHE/bin/$b" "$dest/bin/$b" && continue
-        ln -f "$NODE_CACHE/bin/$b" "$dest/bin/$b" 2>/dev/null || cp -f "$NODE_CACHE/bin/$b" "$dest/bin/$b"
+        cmp -s "$NODE_CACHE/bin/$b" "$dest/bin/$b" || link_or_copy "$NODE_CACHE/bin/$b" "$dest/bin/$b"
     done
 }
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +28,15 @@ NAMESPACE = "kvpool-e2e"
 RELEASE_NAMESPACE = "kvpool-system"
 
 
+def tools_env(**extra: str) -> dict[str, str]:
+    """The environment with the project's helm and kubectl first on PATH."""
+    return {**os.environ, "PATH": f"{TOOLS}:{os.environ.get('PATH', '')}", **extra}
+
+
 def run(*argv: str | Path, timeout: float = 900, check: bool = True, stdin: str | None = None,
         env: dict[str, str] | None = None) -> str:  # fmt: skip
-    full_env = {**os.environ, "PATH": f"{TOOLS}:{os.environ.get('PATH', '')}", **(env or {})}
     result = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout,
-                            env=full_env, input=stdin, cwd=REPO)  # fmt: skip
+                            env=tools_env(**(env or {})), input=stdin, cwd=REPO)  # fmt: skip
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, argv[:4]))} failed ({result.returncode}):\n"
                              f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")  # fmt: skip
@@ -108,19 +113,27 @@ def pods(selector: str, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
     )
 
 
+def container_statuses(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every container's status, the native sidecar's (an init container) included."""
+    return pod["status"].get("initContainerStatuses", []) + pod["status"].get("containerStatuses", [])
+
+
 def container_status(pod: dict[str, Any], name: str) -> dict[str, Any]:
-    statuses = pod["status"].get("initContainerStatuses", []) + pod["status"].get("containerStatuses", [])
-    (found,) = [s for s in statuses if s["name"] == name]
+    (found,) = [s for s in container_statuses(pod) if s["name"] == name]
     return found
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
 
 
 @contextlib.contextmanager
 def port_forward(pod: str, port: int, namespace: str = NAMESPACE) -> Iterator[str]:
     """`kubectl port-forward` to a pod's port; yields the local base URL."""
     local = free_port()
-    env = {**os.environ, "PATH": f"{TOOLS}:{os.environ.get('PATH', '')}"}
     argv = ["kubectl", *active().kube_args, "-n", namespace, "port-forward", f"pod/{pod}", f"{local}:{port}"]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(argv, env=tools_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{local}"
     try:
         wait_until(lambda: proc.poll() is None and (http_ok(url + "/healthz") or http_ok(url + "/health")),

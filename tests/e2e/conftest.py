@@ -34,15 +34,13 @@ TIMINGS: dict[str, float] = {}  # what each part of the set-up took, printed at 
 KIND_TAG = "e2e"
 
 
-class timed:
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        self.t0 = time.monotonic()
-
-    def __exit__(self, *exc: object) -> None:
-        TIMINGS[self.what] = time.monotonic() - self.t0
+@contextlib.contextmanager
+def timed(what: str) -> Iterator[None]:
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        TIMINGS[what] = time.monotonic() - t0
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

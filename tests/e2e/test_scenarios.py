@@ -11,8 +11,6 @@ in file order on one cluster; the last one uninstalls.
 from __future__ import annotations
 
 import json
-import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +21,8 @@ from clusterkit import (
     Cluster,
     condition,
     container_status,
+    container_statuses,
+    get_json,
     helm,
     kubectl,
     kubectl_json,
@@ -36,11 +36,6 @@ pytestmark = pytest.mark.e2e
 
 STATUS_PORT = 7071  # the pools' default sidecar port 7070 + 1
 RESTRICTED = "kvpool-e2e-restricted"
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
 
 
 def apply(manifest: dict[str, Any] | str) -> None:
@@ -74,10 +69,9 @@ def ready_pods(selector: str, count: int, namespace: str) -> list[dict[str, Any]
     def all_ready() -> list[dict[str, Any]] | None:
         found = pods(selector, namespace)
         ok = len(found) == count and all(
-            all(s.get("ready") for s in p["status"].get("containerStatuses", []) + p["status"].get(
-                "initContainerStatuses", [])) and p["status"].get("containerStatuses")
+            p["status"].get("containerStatuses") and all(s.get("ready") for s in container_statuses(p))
             for p in found
-        )  # fmt: skip
+        )
         return found if ok else None
 
     return wait_until(all_ready, 180, f"{count} pods {selector} in {namespace} with every container ready")
@@ -185,7 +179,7 @@ def test_a_restricted_namespace_runs_injected_pods(cluster: Cluster) -> None:
     assert seen["arena_files"] and all(seen["arena_rw"].values()), seen
 
 
-def test_uninstall_leaves_nothing(cluster: Cluster, tmp_path: Path) -> None:
+def test_uninstall_leaves_nothing(cluster: Cluster) -> None:
     namespaces = (NAMESPACE, RESTRICTED)
     for ns in namespaces:
         kubectl("-n", ns, "delete", "kvp", "--all", "--wait=true", "--timeout=60s", timeout=90)

@@ -13,7 +13,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from clusterkit import NAMESPACE, kubectl, kubectl_json, pods, port_forward
+from clusterkit import NAMESPACE, get_json, kubectl, kubectl_json, pods, port_forward
 from kvtest import wait_until
 from podchecks import assert_injected
 
@@ -25,11 +25,6 @@ PROMPT = " ".join(f"the cache keeps token {i} of this prompt warm" for i in rang
 
 def vllm_pods() -> list[dict[str, Any]]:
     return pods("app=vllm-e2e")
-
-
-def get_json(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
 
 
 def complete(base: str, prompt: str) -> str:
