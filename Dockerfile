@@ -24,7 +24,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 
-# ---- the three kvpool wheels, built once ----------------------------------------------------------
+# ---- the sidecar's and the operator's wheels, built once ---------------------------------------------
 FROM python AS wheels
 ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
 WORKDIR /src
@@ -32,11 +32,21 @@ COPY requirements/build.txt requirements/build.txt
 RUN python3 -m venv /opt/build && /opt/build/bin/pip install --no-deps -r requirements/build.txt
 COPY sidecar/pyproject.toml sidecar/pyproject.toml
 COPY sidecar/src sidecar/src
-COPY connector/pyproject.toml connector/pyproject.toml
-COPY connector/src connector/src
 COPY operator/pyproject.toml operator/pyproject.toml
 COPY operator/src operator/src
-RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels ./sidecar ./connector ./operator
+RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels ./sidecar ./operator
+
+# ---- the connector payload: what a stock vLLM image needs to load kvpool's connector -----------------
+# The operator's init container copies it from the sidecar image into each pod (scripts/connector-payload.sh).
+FROM python AS connector-payload
+ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
+COPY scripts/connector-payload.sh /src/scripts/
+COPY requirements/sidecar.txt /src/requirements/
+COPY sidecar/src/kvpool_sidecar /src/sidecar/src/kvpool_sidecar
+COPY connector/src/kvpool_connector /src/connector/src/kvpool_connector
+RUN python3 -m venv /opt/build \
+    && PIP="/opt/build/bin/pip" bash /src/scripts/connector-payload.sh wheels /tmp/wheels \
+    && bash /src/scripts/connector-payload.sh build /src /tmp/wheels /payload
 
 # ---- sidecar ----------------------------------------------------------------------------------------
 FROM python AS sidecar-env
@@ -49,6 +59,7 @@ RUN /opt/kvpool/bin/pip install --no-deps /tmp/kvpool_sidecar-*.whl \
 
 FROM python AS sidecar
 COPY --from=sidecar-env /opt/kvpool /opt/kvpool
+COPY --from=connector-payload /payload /opt/kvpool-connector
 ENV PATH=/opt/kvpool/bin:$PATH
 # 65532: no name, no home, no shell; the arena lives in the pod's memory-backed emptyDir.
 USER 65532:65532
@@ -87,17 +98,8 @@ ENV PATH=/opt/vllm/bin:$PATH
 # module, python3 -m vllm.entrypoints.openai.api_server --model ...
 
 # ---- connector: your vLLM image plus kvpool's connector --------------------------------------------
-# Installed by your image's own Python (so xxhash's compiled part matches it) into /opt/kvpool, then
-# copied into your image unchanged otherwise: no USER line, so it runs as the user your image runs as.
-FROM ${VLLM_IMAGE} AS connector-files
-ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
-USER root
-COPY --from=wheels /wheels/ /tmp/wheels/
-# The connector needs the sidecar's client (stdlib + xxhash), not the sidecar's server dependencies.
-RUN python3 -m pip install --no-cache-dir --no-deps --target /opt/kvpool \
-        /tmp/wheels/kvpool_connector-*.whl /tmp/wheels/kvpool_sidecar-*.whl xxhash==4.1.0 \
-    && chmod -R a+rX /opt/kvpool
-
+# Not needed with the operator, which stages the same payload into each pod; for running vLLM with
+# kvpool outside it. No USER line: it runs as the user your image runs as.
 FROM ${VLLM_IMAGE} AS connector
-COPY --from=connector-files /opt/kvpool /opt/kvpool
+COPY --from=connector-payload /payload /opt/kvpool
 ENV PYTHONPATH=/opt/kvpool${PYTHONPATH:+:${PYTHONPATH}}

@@ -6,6 +6,13 @@ import json
 from typing import Any
 
 
+def sidecar_of(pod: dict[str, Any]) -> dict[str, Any]:
+    """The pod's kvpool-sidecar (a native sidecar, or a plain container in legacy mode)."""
+    containers = pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
+    (sidecar,) = [c for c in containers if c["name"] == "kvpool-sidecar"]
+    return sidecar
+
+
 def connector_config(pod: dict[str, Any], container: str) -> dict[str, Any]:
     (vllm,) = [c for c in pod["spec"]["containers"] if c["name"] == container]
     args = vllm.get("args", [])
@@ -17,7 +24,7 @@ def assert_injected(pod: dict[str, Any], pool: dict[str, Any], container: str) -
     """The pod carries the pool's native sidecar, the shared-memory arena and exactly the published config."""
     name = pool["metadata"]["name"]
     assert pod["metadata"]["labels"]["kvpool.dev/pool"] == name
-    (sidecar,) = [c for c in pod["spec"].get("initContainers", []) if c["name"] == "kvpool-sidecar"]
+    sidecar = sidecar_of(pod)
     assert sidecar["restartPolicy"] == "Always"  # a native sidecar: vLLM starts after its cache
     config = connector_config(pod, container)
     published = pool["status"]["connectorConfig"]

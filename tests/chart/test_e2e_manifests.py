@@ -9,6 +9,7 @@ import sys
 
 import yaml
 from chartkit import REPO
+from podchecks import sidecar_of
 
 MANIFESTS = REPO / "tests" / "e2e" / "manifests"
 
@@ -32,7 +33,7 @@ def test_injection_reaches_the_vllm_server() -> None:
     pod = {"metadata": {"name": "vllm-0", "namespace": meta["namespace"], **template["metadata"]},
            "spec": template["spec"]}  # fmt: skip
     injected = inject(pod, pool, OperatorSettings(sidecar_image="kvpool/sidecar:e2e"))
-    (sidecar,) = injected["spec"]["initContainers"]
+    sidecar = sidecar_of(injected)
     assert sidecar["name"] == "kvpool-sidecar" and sidecar["restartPolicy"] == "Always"
     (vllm,) = injected["spec"]["containers"]
     assert vllm["args"][-2] == "--kv-transfer-config"

@@ -180,3 +180,80 @@ def test_the_connector_image_keeps_the_vllm_images_user(build: Callable[..., str
         assert podman("run", "--rm", connector, "python3", "-c", probe).stdout.strip() == "4321"
     finally:
         podman("rmi", "--force", vllm, check=False)
+
+
+# --- the connector payload: what the operator's init container copies into a stock vLLM image's pod ---
+
+PAYLOAD_PROBE = """
+import hashlib, importlib, os, sys
+import xxhash
+connector = importlib.import_module("kvpool_connector")  # as vLLM's KVConnectorFactory loads a module path
+from kvpool_connector.keys import chunk_keys
+from kvpool_sidecar.client import SidecarClient, checksum
+assert connector.__file__.startswith("/opt/kvpool-connector/"), connector.__file__
+assert xxhash.__file__.startswith("/opt/kvpool-connector/"), xxhash.__file__
+print(sys.version_info[:2], checksum(b"kvpool"), os.getuid())
+"""
+
+
+@pytest.fixture(scope="module")
+def staged_payload(sidecar_image: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The payload as a pod gets it: the webhook's own init container (command, user) run from the
+    sidecar image into an empty directory."""
+    from kvpool_operator.injection import connector_container
+    from kvpool_operator.pool import parse_pool
+    from kvpool_operator.settings import OperatorSettings
+
+    pool = parse_pool("ns", "p", {"selector": {}})
+    init = connector_container(pool, OperatorSettings(sidecar_image=sidecar_image))
+    out = tmp_path_factory.mktemp("payload")
+    out.chmod(0o777)  # an emptyDir: writable by any uid
+    (mount,) = init["volumeMounts"]
+    podman("run", "--rm", "--read-only", "--cap-drop", "ALL", "--volume", f"{out}:{mount['mountPath']}",
+           "--entrypoint", init["command"][0], init["image"], *init["command"][1:])  # fmt: skip
+    return out
+
+
+def payload_imports(image: str, payload: Path) -> str:
+    """The probe run by the image's own python3, as a user the payload's files were not made for, with
+    the payload mounted read-only where the webhook mounts it and first on PYTHONPATH."""
+    return podman("run", "--rm", "--read-only", "--user", "4321", "--volume",
+                  f"{payload}:/opt/kvpool-connector:ro", "--env", "PYTHONPATH=/opt/kvpool-connector",
+                  "--entrypoint", "python3", image, "-c", PAYLOAD_PROBE).stdout.strip()  # fmt: skip
+
+
+def test_the_payload_carries_xxhash_for_every_python_and_machine(staged_payload: Path) -> None:
+    built = sorted(p.name for p in (staged_payload / "xxhash").glob("_xxhash.*.so"))
+    assert built == [
+        f"_xxhash.cpython-3{minor}-{machine}-linux-gnu.so"
+        for minor in range(10, 15)
+        for machine in ("aarch64", "x86_64")
+    ]
+    assert not list(staged_payload.rglob("__pycache__"))
+
+
+def test_the_payload_imports_on_a_python_that_has_none_of_its_packages(staged_payload: Path) -> None:
+    """Debian bookworm's bare python3 (3.11): no xxhash, no kvpool; everything comes from the payload."""
+    out = payload_imports(BASE_IMAGE, staged_payload)
+    assert out.startswith("(3, 11) ") and out.endswith(" 4321")
+
+
+def test_the_payload_imports_on_python_3_13(staged_payload: Path) -> None:
+    """Debian trixie's python3 (3.13), another compiled xxhash module from the same directory."""
+    image = "localhost/kvpool-test-python:3.13-trixie"
+    base = subprocess.run(["bash", str(PODMAN_DIR / "base-image.sh"), image, "trixie"], capture_output=True,
+                          text=True)  # fmt: skip
+    assert base.returncode == 0, base.stderr
+    out = payload_imports(image, staged_payload)
+    assert out.startswith("(3, 13) ") and out.endswith(" 4321")
+    assert out.split()[2] == payload_imports(BASE_IMAGE, staged_payload).split()[2]  # the same checksum
+
+
+def test_the_payload_needs_no_python_newer_than_3_10() -> None:
+    """vLLM's images run Python 3.10 to 3.13; no 3.10 or 3.12 interpreter is packaged for this machine,
+    so those are checked by what the code uses (vermin reads the syntax and the standard library's API)."""
+    sources = [REPO / "connector" / "src" / "kvpool_connector", REPO / "sidecar" / "src" / "kvpool_sidecar"]
+    vermin = Path(sys.executable).parent / "vermin"
+    result = subprocess.run([str(vermin), "--no-tips", "--eval-annotations", "--violations",
+                             "-t=3.10-", *map(str, sources)], capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr

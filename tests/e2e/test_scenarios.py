@@ -11,6 +11,7 @@ in file order on one cluster; the last one uninstalls.
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import pytest
@@ -82,6 +83,12 @@ def report(pod: str, namespace: str) -> dict[str, Any]:
         return get_json(url + "/report")
 
 
+def served(pod: str) -> dict[str, Any] | None:
+    """The stand-in's report once its connector stored a chunk in the sidecar and read it back."""
+    seen = report(pod, NAMESPACE)
+    return seen if seen["connector"].get("read_back") else None
+
+
 def test_the_operator_runs_from_its_image_with_two_replicas(cluster: Cluster) -> None:
     deployment = kubectl_json("-n", RELEASE_NAMESPACE, "get", "deployment", "kvpool")
     assert deployment["status"].get("readyReplicas") == 2
@@ -107,10 +114,18 @@ def test_a_cpu_pool_injects_real_pods_whose_sidecar_serves(cluster: Cluster) -> 
         with port_forward(p["metadata"]["name"], STATUS_PORT) as url:
             stats = get_json(url + "/stats")
             assert stats["capacity_bytes"] == 64 * 2**20
-        seen = report(p["metadata"]["name"], NAMESPACE)
+        seen = wait_until(partial(served, p["metadata"]["name"]), 60, "a chunk through the loaded connector")
         assert "--kv-transfer-config" in seen["argv"]
         # the vLLM container (another uid) can use the arena the sidecar made: what the connector needs
         assert seen["arena_files"] and all(seen["arena_rw"].values()), seen
+        # a Python with no kvpool and no xxhash loaded the connector from the payload kvpool staged,
+        # and its client stored a chunk in the sidecar and read it back
+        assert seen["python"] == "/usr/bin/python3"
+        connector = seen["connector"]
+        assert connector["module"] == "/opt/kvpool-connector/kvpool_connector/__init__.py", connector
+        assert connector["xxhash"].startswith("/opt/kvpool-connector/xxhash/"), connector
+        assert connector["stored"] and connector["read_back"], connector
+        assert all(s["restartCount"] == 0 for s in container_statuses(p)), container_statuses(p)
 
     def pool_ready() -> dict[str, Any] | None:
         s = kubectl_json("-n", NAMESPACE, "get", "kvp", "cpu").get("status", {})
@@ -150,8 +165,9 @@ def test_a_killed_sidecar_restarts_and_the_vllm_container_keeps_running(cluster:
     after = wait_until(restarted, 120, "the killed sidecar to be restarted and ready again")
     assert after["metadata"]["uid"] == uid  # the same pod: a sidecar restart never replaces it
     assert container_status(after, "vllm")["restartCount"] == vllm_restarts
-    seen = report(name, NAMESPACE)
-    assert seen["arena_files"] and all(seen["arena_rw"].values()), seen  # a fresh arena, usable again
+    # a fresh arena, usable again by the connector vLLM loaded before the kill
+    seen = wait_until(lambda: served(name), 60, "a chunk through the connector into the restarted sidecar")
+    assert seen["arena_files"] and all(seen["arena_rw"].values()), seen
 
 
 def test_a_rolling_update_keeps_the_injection(cluster: Cluster) -> None:

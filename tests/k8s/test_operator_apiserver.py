@@ -38,7 +38,7 @@ from operatorkit import (
     start_operator_as,
     webhook_routed,
 )
-from podchecks import assert_injected, untouched
+from podchecks import assert_injected, sidecar_of, untouched
 
 from kvpool_operator.kube import RBAC
 from kvpool_operator.names import REDIS_PORT
@@ -391,7 +391,7 @@ def test_sidecar_resources_the_api_server_admits_and_a_guaranteed_pod_stays_guar
         assert sidecar["resources"]["requests"]["cpu"] == "100m", name
         assert pod["spec"]["imagePullSecrets"] == [{"name": "kvpool-registry"}], name  # the pool's registry
     assert pods["guaranteed"]["status"]["qosClass"] == "Guaranteed"
-    (sidecar,) = pods["guaranteed"]["spec"]["initContainers"]
+    sidecar = sidecar_of(pods["guaranteed"])
     assert sidecar["resources"]["requests"] == sidecar["resources"]["limits"]
     assert pods["burstable"]["status"]["qosClass"] == "Burstable"
 
@@ -410,7 +410,7 @@ def test_missing_objects_and_an_unreachable_redis_keep_no_pod_from_starting(
     wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready (its Secret is never read)")
     apply(cp, bare_pod(ns, "vllm", container("vllm", **VLLM)))
     pod = get_json(cp, "-n", ns, "pod", "vllm")
-    (sidecar,) = pod["spec"]["initContainers"]
+    sidecar = sidecar_of(pod)
     assert "startupProbe" not in sidecar and "readinessProbe" not in sidecar
     assert all(e["valueFrom"]["secretKeyRef"]["optional"] for e in sidecar["env"])
     (urls,) = [v for v in pod["spec"]["volumes"] if "configMap" in v]

@@ -24,7 +24,7 @@ log() { printf '[images] %s\n' "$*" >&2; }
 inputs() {  # the files git would commit (tracked or not ignored): no egg-info, no bytecode
     cd "$REPO"
     echo "recipe=$RECIPE_REV"
-    git ls-files -z --cached --others --exclude-standard -- Dockerfile .dockerignore requirements \
+    git ls-files -z --cached --others --exclude-standard -- Dockerfile .dockerignore requirements scripts/connector-payload.sh \
         {sidecar,connector,operator}/{pyproject.toml,src} tests/node/pause tests/node/images.sh tests/chart/podman |
         sort -z | xargs -0 sha256sum
 }

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from kubeapi import Cluster, pool_path, wait_indexed
 from kvtest import wait_until
+from podchecks import sidecar_of
 from webhooks import admitted, review, take_skip_reason
 
 from kvpool_operator.injection import decide
@@ -111,6 +112,13 @@ def probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+RESTRICTED = {
+    "runAsNonRoot": True,  # the uid: the image's, or the one the platform assigns
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 EXPECTED_SOLO = {
     "apiVersion": "v1",
     "kind": "Pod",
@@ -129,10 +137,25 @@ EXPECTED_SOLO = {
                 "image": "vllm/vllm-openai:v0.33.0",
                 "args": ["--model", "Qwen/Qwen3-0.6B", "--kv-transfer-config", SOLO_CONFIG],
                 "resources": {"limits": {"nvidia.com/gpu": "1"}},
-                "volumeMounts": [{"name": "kvpool-arena", "mountPath": "/var/run/kvpool"}],
+                "volumeMounts": [
+                    {"name": "kvpool-arena", "mountPath": "/var/run/kvpool"},
+                    {"name": "kvpool-connector", "mountPath": "/opt/kvpool-connector", "readOnly": True},
+                ],
+                "env": [{"name": "PYTHONPATH", "value": "/opt/kvpool-connector"}],  # the payload first
             }
         ],
         "initContainers": [
+            {  # the connector payload, from the sidecar's image: a stock vLLM image needs nothing more
+                "name": "kvpool-connector",
+                "image": "kvpool/sidecar:test",
+                "command": ["cp", "-R", "/opt/kvpool-connector/.", "/mnt/kvpool-connector"],
+                "volumeMounts": [{"name": "kvpool-connector", "mountPath": "/mnt/kvpool-connector"}],
+                "resources": {
+                    "requests": {"cpu": "50m", "memory": "64Mi"},
+                    "limits": {"cpu": "50m", "memory": "64Mi"},
+                },
+                "securityContext": RESTRICTED,
+            },
             {
                 "name": "kvpool-sidecar",
                 "image": "kvpool/sidecar:test",
@@ -157,17 +180,13 @@ EXPECTED_SOLO = {
                     "limits": {"memory": "1350Mi"},
                 },
                 "livenessProbe": probe("/healthz", 10, 6),
-                "securityContext": {
-                    "runAsNonRoot": True,  # the uid: the image's, or the one the platform assigns
-                    "runAsGroup": 65532,
-                    "allowPrivilegeEscalation": False,
-                    "readOnlyRootFilesystem": True,
-                    "capabilities": {"drop": ["ALL"]},
-                    "seccompProfile": {"type": "RuntimeDefault"},
-                },
-            }
+                "securityContext": {**RESTRICTED, "runAsGroup": 65532},
+            },
         ],
-        "volumes": [{"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1025Mi"}}],
+        "volumes": [
+            {"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1025Mi"}},
+            {"name": "kvpool-connector", "emptyDir": {"sizeLimit": "64Mi"}},
+        ],
         "securityContext": {"supplementalGroups": [65532]},  # the arena's group, for vLLM too
     },
 }
@@ -242,7 +261,7 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
     assert proxy == {"name": "proxy", "image": "envoy"}  # vllmContainer picks the engine, not the first
     config = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
     assert config["kv_connector_extra_config"]["sidecar_url"] == "http://127.0.0.1:8000"
-    (sidecar,) = result["spec"]["initContainers"]
+    sidecar = sidecar_of(result)
     assert sidecar["args"][-3:] == [
         "--redis-urls-file",
         "/etc/kvpool/redis/redis-urls",
@@ -329,7 +348,8 @@ def test_legacy_mode_adds_a_plain_container() -> None:
         OperatorSettings(sidecar_image="kvpool/sidecar:test", legacy_sidecar=True),
     )
     expected = copy.deepcopy(EXPECTED_SOLO)
-    sidecar = expected["spec"].pop("initContainers")[0]
+    payload, sidecar = expected["spec"]["initContainers"]
+    expected["spec"]["initContainers"] = [payload]  # the payload is still copied before vLLM starts
     del sidecar["restartPolicy"]
     expected["spec"]["containers"].append(sidecar)
     assert decision.pod == expected
@@ -357,7 +377,7 @@ def test_the_sidecar_parses_what_the_webhook_injects(backend: str) -> None:
     pool = parse_pool(NS, "solo", spec)
     pod = decide(vllm_pod({"app": "solo"}), NS, [pool], OperatorSettings()).pod
     assert pod is not None
-    (sidecar,) = pod["spec"]["initContainers"]
+    sidecar = sidecar_of(pod)
     env = {e["name"]: "s3cret" for e in sidecar.get("env", [])}  # what the kubelet fills from the Secret
     settings = parse_settings(sidecar["args"], environ=env)
     assert (settings.host, settings.port, settings.status_port) == ("127.0.0.1", 9100, 9101)

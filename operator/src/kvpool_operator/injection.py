@@ -23,6 +23,17 @@ from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.vllm_target import Skip, strip_ours, target_container
 
 ARENA_HEADROOM_BYTES = 2**20  # beside the arena file: the control socket, page rounding
+OUR_CONTAINERS = frozenset({names.SIDECAR_CONTAINER, names.CONNECTOR_CONTAINER})
+CONNECTOR_RESOURCES = {"cpu": "50m", "memory": "64Mi"}  # the copy's page cache counts too
+CONNECTOR_VOLUME_SIZE = "64Mi"  # the payload is ~17 MB, most of it xxhash for 10 Pythons and machines
+# what Pod Security `restricted` asks of every container, and all kvpool's containers need
+RESTRICTED: dict[str, Any] = {
+    "runAsNonRoot": True,
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 
 @dataclass
@@ -100,7 +111,10 @@ def _configurable(pod: Mapping[str, Any], claiming: list[Pool]) -> int | Skip:
             "HostNetwork",
             "the pod uses the host's network: its sidecar would share the node's loopback with other pods'",
         )
-    return target_container(pod, pool.vllm_container)
+    found = target_container(pod, pool.vllm_container)
+    if isinstance(found, int) and stages_connector(pod):
+        return python_path_problem(pod["spec"]["containers"][found]) or found
+    return found
 
 
 def inject(
@@ -121,13 +135,20 @@ def inject(
     vllm = spec["containers"][index]
     vllm.setdefault("volumeMounts", []).append({"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR})
     vllm["args"] = [*vllm.get("args", []), names.KV_TRANSFER_FLAG, config_text]
+    staged = stages_connector(result)
+    if staged:
+        mount = {"name": names.CONNECTOR_VOLUME, "mountPath": names.CONNECTOR_DIR, "readOnly": True}
+        vllm["volumeMounts"].append(mount)
+        _prepend_python_path(vllm)
+        # a plain init container, before the sidecar: the payload is in place before vLLM starts
+        spec.setdefault("initContainers", []).append(connector_container(pool, settings))
 
     sidecar = sidecar_container(pool, settings, qos_guaranteed)
     if settings.legacy_sidecar:
         spec["containers"].append(sidecar)
     else:
         spec.setdefault("initContainers", []).append(sidecar)
-    spec.setdefault("volumes", []).extend(pod_volumes(pool))
+    spec.setdefault("volumes", []).extend(pod_volumes(pool, staged))
     pulls = spec.setdefault("imagePullSecrets", [])  # the pod's own pull the sidecar too; add the pool's
     pulls += [{"name": n} for n in pool.sidecar_pull_secrets if {"name": n} not in pulls]
     if not pulls:
@@ -149,10 +170,10 @@ def remove_injection(pod: Mapping[str, Any]) -> dict[str, Any]:
     which inject() adds only when absent)."""
     result = copy.deepcopy(dict(pod))
     spec = result.get("spec") or {}
-    ours = {names.ARENA_VOLUME, names.REDIS_URLS_VOLUME}
+    ours = {names.ARENA_VOLUME, names.REDIS_URLS_VOLUME, names.CONNECTOR_VOLUME}
     for key in ("containers", "initContainers"):
         if key in spec:
-            spec[key] = [c for c in spec[key] if c.get("name") != names.SIDECAR_CONTAINER]
+            spec[key] = [c for c in spec[key] if c.get("name") not in OUR_CONTAINERS]
         for container in spec.get(key, []):
             if "volumeMounts" in container:
                 container["volumeMounts"] = [
@@ -161,6 +182,7 @@ def remove_injection(pod: Mapping[str, Any]) -> dict[str, Any]:
             for argv in ("command", "args"):
                 if argv in container:
                     container[argv] = strip_ours(container[argv])
+            _strip_python_path(container)
     if "initContainers" in spec and not spec["initContainers"]:
         del spec["initContainers"]
     if "volumes" in spec:
@@ -168,6 +190,65 @@ def remove_injection(pod: Mapping[str, Any]) -> dict[str, Any]:
     annotations = (result.get("metadata") or {}).get("annotations") or {}
     annotations.pop(names.SKIPPED_ANNOTATION, None)
     return result
+
+
+def stages_connector(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod gets the connector payload: always, unless it says its image has the connector."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(names.CONNECTOR_ANNOTATION) != "image"
+
+
+def python_path_problem(container: Mapping[str, Any]) -> Skip | None:
+    """A PYTHONPATH kvpool cannot put the payload in front of: one set from a Secret or ConfigMap."""
+    for env in container.get("env") or []:
+        if env.get("name") == "PYTHONPATH" and "valueFrom" in env:
+            return Skip(
+                "PythonPathNotPlain",
+                f"container {container.get('name', '?')} takes PYTHONPATH from a reference, which kvpool "
+                "cannot prepend its connector to: set it as a plain value, or annotate the pod "
+                f'{names.CONNECTOR_ANNOTATION}: "image" if the image has the connector',
+            )
+    return None
+
+
+def _prepend_python_path(container: dict[str, Any]) -> None:
+    env = container.setdefault("env", [])
+    for entry in env:
+        if entry.get("name") == "PYTHONPATH":
+            given = str(entry.get("value") or "")
+            entry["value"] = f"{names.CONNECTOR_DIR}:{given}" if given else names.CONNECTOR_DIR
+            return
+    env.append({"name": "PYTHONPATH", "value": names.CONNECTOR_DIR})
+
+
+def _strip_python_path(container: dict[str, Any]) -> None:
+    """The container's PYTHONPATH as it was before _prepend_python_path."""
+    env = container.get("env") or []
+    for entry in env:
+        value = entry.get("value")
+        if entry.get("name") != "PYTHONPATH" or not isinstance(value, str):
+            continue
+        if value == names.CONNECTOR_DIR:
+            env.remove(entry)
+        elif value.startswith(names.CONNECTOR_DIR + ":"):
+            entry["value"] = value[len(names.CONNECTOR_DIR) + 1 :]
+        break
+    if "env" in container and not env:
+        del container["env"]
+
+
+def connector_container(pool: Pool, settings: OperatorSettings) -> dict[str, Any]:
+    """Copies the connector payload from the sidecar's image into the pod (one image for both: the
+    payload is always the sidecar's own version, and there is no second image to mirror)."""
+    return {
+        "name": names.CONNECTOR_CONTAINER,
+        "image": sidecar_image(pool, settings),
+        "command": ["cp", "-R", f"{names.CONNECTOR_DIR}/.", names.CONNECTOR_STAGING_DIR],
+        "volumeMounts": [{"name": names.CONNECTOR_VOLUME, "mountPath": names.CONNECTOR_STAGING_DIR}],
+        # requests equal limits: a Guaranteed pod stays Guaranteed
+        "resources": {"requests": dict(CONNECTOR_RESOURCES), "limits": dict(CONNECTOR_RESOURCES)},
+        "securityContext": copy.deepcopy(RESTRICTED),
+    }
 
 
 def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bool = False) -> dict[str, Any]:
@@ -214,14 +295,7 @@ def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bo
         # not answering yet is a miss. No readiness probe: a sidecar's readiness is the pod's, and a
         # Redis outage must stay a cache miss, never take vLLM out of its Service.
         "livenessProbe": _probe("/healthz", probe_port, period=10, failures=6),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsGroup": names.ARENA_GROUP,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": {**copy.deepcopy(RESTRICTED), "runAsGroup": names.ARENA_GROUP},
     }
     if env:
         container["env"] = env
@@ -246,10 +320,12 @@ def password_secret(pool: Pool) -> tuple[str, str] | None:
     return None
 
 
-def pod_volumes(pool: Pool) -> list[dict[str, Any]]:
+def pod_volumes(pool: Pool, staged: bool = True) -> list[dict[str, Any]]:
     volumes: list[dict[str, Any]] = [
         {"name": names.ARENA_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": arena_size_limit(pool)}}
     ]
+    if staged:
+        volumes.append({"name": names.CONNECTOR_VOLUME, "emptyDir": {"sizeLimit": CONNECTOR_VOLUME_SIZE}})
     if pool.redis is not None:
         volumes.append(
             {

@@ -20,6 +20,14 @@ ARENA_DIR = "/var/run/kvpool"
 # The group the arena and control socket belong to: the sidecar runs with it, and the pod's
 # supplementalGroups give it to the vLLM container too, so the files need not be world-writable.
 ARENA_GROUP = 65532
+# The connector reaches a stock vLLM image by itself: an init container from the sidecar's image copies
+# a self-contained payload (the connector, the sidecar's client, xxhash for every CPython 3.10+) into a
+# volume that the vLLM container mounts and finds first on its PYTHONPATH.
+CONNECTOR_CONTAINER = "kvpool-connector"
+CONNECTOR_VOLUME = "kvpool-connector"
+CONNECTOR_DIR = "/opt/kvpool-connector"  # the payload in the sidecar image, and its mount in vLLM's container
+CONNECTOR_STAGING_DIR = "/mnt/kvpool-connector"  # the volume, in the init container that fills it
+CONNECTOR_ANNOTATION = "kvpool.dev/connector"  # "image": the vLLM image has the connector; stage none
 REDIS_URLS_VOLUME = "kvpool-redis-urls"
 REDIS_URLS_DIR = "/etc/kvpool/redis"
 KV_TRANSFER_FLAG = "--kv-transfer-config"

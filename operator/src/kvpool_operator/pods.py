@@ -39,12 +39,14 @@ STUCK_REASONS = frozenset({
 
 
 def sidecar_stuck(pod: Mapping[str, Any]) -> str | None:
-    """`Reason: message` when the pod's kvpool sidecar waits for good (its image does not pull, it
-    crashes at start): as a native sidecar it holds vLLM back, since vLLM starts after it."""
+    """`Reason: message` when the pod's kvpool sidecar, or the init container that copies the connector
+    from the same image, waits for good (the image does not pull, it crashes at start): either holds
+    vLLM back, since vLLM starts after both."""
     status = pod.get("status") or {}
+    ours = (names.SIDECAR_CONTAINER, names.CONNECTOR_CONTAINER)
     for c in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
         waiting = (c.get("state") or {}).get("waiting") or {}
-        if c.get("name") == names.SIDECAR_CONTAINER and waiting.get("reason") in STUCK_REASONS:
+        if c.get("name") in ours and waiting.get("reason") in STUCK_REASONS:
             return f"{waiting['reason']}: {waiting.get('message') or ''}".strip().rstrip(":")
     return None
 

@@ -2,10 +2,12 @@
 # Makes the Python base image the image test builds on, without a registry (none is reachable here):
 # a minimal Debian bookworm with python3 and venv, made by mmdebstrap from Debian's packages and
 # imported into podman. Its Python (3.11) matches python:3.11-slim's, so the Dockerfile is the same.
+# Another Debian suite gives another Python (trixie: 3.13), for what must run on several.
 # Installs runc and mmdebstrap from Debian's packages when missing (needs root and apt-get).
-# Usage: base-image.sh IMAGE_NAME   (does nothing if the image exists)
+# Usage: base-image.sh IMAGE_NAME [SUITE]   (does nothing if the image exists; SUITE: bookworm)
 set -euo pipefail
 IMAGE=${1:?image name}
+SUITE=${2:-bookworm}
 export CONTAINERS_CONF=${CONTAINERS_CONF:-$(dirname "$0")/containers.conf}
 
 missing=()
@@ -27,6 +29,6 @@ trap 'rm -rf "$work"' EXIT
 mmdebstrap --quiet --variant=apt --include=python3,python3-venv,ca-certificates \
   --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \
-  bookworm "$work/rootfs.tar"
+  "$SUITE" "$work/rootfs.tar"
 podman import --quiet --change 'CMD ["/usr/bin/python3"]' "$work/rootfs.tar" "$IMAGE" >/dev/null
 echo "[base-image] $IMAGE ready" >&2
