@@ -4,31 +4,34 @@ KVPOOL_E2E_ON picks the cluster:
   node  (default; `make test`) the real node of tests/node: images built by tests/node/images.sh
         (cached), the node started by up.sh and always stopped by down.sh, also after a failure
   kind  (`make e2e-kind`) a kind cluster with Docker; builds the images with docker, including the
-        CPU vLLM image the vLLM scenarios (test_vllm_kind.py, marker kind) need
+        CPU vLLM image the vLLM scenarios (test_vllm.py) need
 
 Settings (environment):
   KVPOOL_NODE_RUN         the node's state directory [/tmp/kvpool-node]
   KVPOOL_E2E_CLUSTER      kind cluster name [kvpool-e2e]; an existing cluster of that name is reused
   KVPOOL_E2E_KEEP         1: keep the cluster afterwards, to look around [delete it; the node's next
                           run stops a kept node first]
-  KVPOOL_E2E_VLLM_IMAGE   a CPU vLLM image to put the connector on, instead of building one (kind)
+  KVPOOL_E2E_VLLM_IMAGE   a CPU vLLM image to use instead of building one (kind)
   TORCH_INDEX_URL         a package index serving torch==2.13.0+cpu, to build that image (kind)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import clusterkit
 import pytest
+import yaml
 from clusterkit import HERE, NAMESPACE, NODE_SCRIPTS, RELEASE_NAMESPACE, TOOLS, Cluster, kubectl, run
-from kvtest import need, wait_until
+from kvtest import REPO, need, wait_until
 
 TIMINGS: dict[str, float] = {}  # what each part of the set-up took, printed at the end of the run
 KIND_TAG = "e2e"
@@ -48,6 +51,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("e2e set-up times")
         for what, seconds in TIMINGS.items():
             terminalreporter.write_line(f"{what:<44} {seconds:7.1f} s")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The uninstall scenario goes last, whichever files run (it removes what every other one uses)."""
+    items.sort(key=lambda item: item.name == "test_uninstall_leaves_nothing")
 
 
 HOST_KNOBS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward")
@@ -74,7 +82,7 @@ def _node() -> Iterator[Cluster]:
     before = host_state()
     with timed("images (tests/node/images.sh; cached)"):
         images = Path(run("bash", NODE_SCRIPTS / "images.sh", timeout=1800).split()[-1])
-    tars = " ".join(str(images / f"{n}.tar") for n in ("pause", "sidecar", "operator", "redis"))
+    tars = " ".join(str(images / f"{n}.tar") for n in ("pause", "sidecar", "operator", "redis", "vllm-base"))
     try:
         with timed("node up, images imported (tests/node/up.sh)"):
             run("bash", NODE_SCRIPTS / "up.sh", env={**env, "IMAGES": tars}, timeout=600)
@@ -85,6 +93,7 @@ def _node() -> Iterator[Cluster]:
                 "operator": "localhost/kvpool/operator:node",
                 "sidecar": "localhost/kvpool/sidecar:node",
                 "redis": "localhost/kvpool/redis:7",
+                "vllm-base": "localhost/kvpool/vllm-base:node",
             },
             run_dir=run_dir,
         )
@@ -162,21 +171,41 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def vllm_workload(cluster: Cluster) -> str:
-    """kind only: the shared-Redis pool under a two-replica vLLM CPU Deployment (test_vllm_kind.py)."""
-    assert cluster.kind == "kind", "the vLLM scenarios need a CPU vLLM image, built on kind only"
+    """The shared-Redis pool under a two-replica vLLM CPU Deployment (test_vllm.py). The vLLM image is
+    a stock one, without kvpool: the webhook stages the connector into the pods. On kind it is the
+    Dockerfile's vllm-cpu target; on the node, Debian's python3 with the test environment's
+    site-packages (vLLM and torch) mounted from the host, as building a 6 GB image on every change
+    would cost more than the scenarios themselves."""
+    deployment = yaml.safe_load((HERE / "manifests" / "vllm.yaml").read_text())
+    (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
+    if cluster.kind == "kind":
+        vllm["image"] = _kind_vllm_image(cluster)
+    else:
+        site = REPO / ".venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+        vllm["image"] = cluster.images["vllm-base"]
+        # a PYTHONPATH of the user's own: the staged connector goes in front of it
+        vllm["env"].append({"name": "PYTHONPATH", "value": "/opt/vllm-site"})
+        vllm["volumeMounts"].append({"name": "vllm-site", "mountPath": "/opt/vllm-site", "readOnly": True})
+        deployment["spec"]["template"]["spec"]["volumes"].append(
+            {"name": "vllm-site", "hostPath": {"path": str(site), "type": "Directory"}}
+        )
+    pool = yaml.safe_load((HERE / "manifests" / "pool.yaml").read_text())
+    pool["spec"]["redis"]["image"] = cluster.images["redis"]
+    kubectl("apply", "-f", "-", stdin=json.dumps(pool))
+    wait_until(lambda: clusterkit.condition("shared", "Ready") is not None, 60, "the pool's first status")
+    kubectl("apply", "-f", "-", stdin=json.dumps(deployment))
+    with timed("vLLM Deployment rolled out (2 replicas)"):
+        kubectl("-n", NAMESPACE, "rollout", "status", "deployment/vllm", "--timeout", "900s", timeout=960)
+    return "app=vllm-e2e"
+
+
+def _kind_vllm_image(cluster: Cluster) -> str:
     vllm_image = os.environ.get("KVPOOL_E2E_VLLM_IMAGE")
-    build = ["docker", "build", "--quiet"]
     if not vllm_image:
         index = os.environ.get("TORCH_INDEX_URL")
         need(bool(index), "TORCH_INDEX_URL (an index with torch==2.13.0+cpu) or KVPOOL_E2E_VLLM_IMAGE")
         vllm_image = f"kvpool/vllm-cpu:{KIND_TAG}"
-        run(*build, "--target", "vllm-cpu", "--build-arg", f"TORCH_INDEX_URL={index}", "-t", vllm_image, ".",
-            timeout=3600)  # fmt: skip
-    connector = f"kvpool/vllm:{KIND_TAG}"
-    run(*build, "--target", "connector", "--build-arg", f"VLLM_IMAGE={vllm_image}", "-t", connector, ".")
-    run("kind", "load", "docker-image", "--name", cluster.extra["name"], connector, timeout=1800)
-    kubectl("apply", "-f", str(HERE / "manifests" / "pool.yaml"))
-    wait_until(lambda: clusterkit.condition("shared", "Ready") == "True", 300, "the pool to be Ready")
-    kubectl("apply", "-f", str(HERE / "manifests" / "vllm.yaml"))
-    kubectl("-n", NAMESPACE, "rollout", "status", "deployment/vllm", "--timeout", "900s", timeout=960)
-    return "app=vllm-e2e"
+        run("docker", "build", "--quiet", "--target", "vllm-cpu", "--build-arg", f"TORCH_INDEX_URL={index}",
+            "-t", vllm_image, ".", timeout=3600)  # fmt: skip
+    run("kind", "load", "docker-image", "--name", cluster.extra["name"], vllm_image, timeout=1800)
+    return vllm_image

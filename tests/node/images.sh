@@ -6,6 +6,10 @@
 #   operator.tar   localhost/kvpool/operator:node  Dockerfile --target operator
 #   redis.tar      localhost/kvpool/redis:7        Debian's redis-server (what a pool's spec.redis.image
 #                                                  names; the public redis image needs a registry)
+#   vllm-base.tar  localhost/kvpool/vllm-base:node Debian's python3 with the C libraries vLLM's CPU
+#                                                  build loads (libnuma, libgomp); the vLLM scenarios
+#                                                  mount the test environment's site-packages into it
+#                                                  (vLLM and torch, ~6 GB), so the image holds no kvpool
 # The Python base is the image test's (tests/chart/podman/base-image.sh: Debian bookworm's python3 by
 # mmdebstrap), and pip installs from its wheelhouse of the pins (wheelhouse.sh) mounted into the build.
 #
@@ -31,7 +35,7 @@ inputs() {  # the files git would commit (tracked or not ignored): no egg-info, 
 HASH=$(inputs | sha256sum | cut -c1-16)
 OUT=$ROOT/$HASH
 IMAGES=(pause=localhost/kvpool/pause:1 redis=localhost/kvpool/redis:7 sidecar=localhost/kvpool/sidecar:node
-    operator=localhost/kvpool/operator:node)  # the tar's name = the image
+    operator=localhost/kvpool/operator:node vllm-base=localhost/kvpool/vllm-base:node)  # the tar's name = the image
 complete() { local t; for t in "${IMAGES[@]%%=*}"; do [[ -s $OUT/$t.tar ]] || return 1; done; }
 
 mkdir -p "$ROOT"
@@ -67,6 +71,13 @@ mmdebstrap --quiet --variant=essential --include=redis-server \
     --dpkgopt='path-exclude=/usr/share/locale/*' bookworm "$WORK/redis.tar"
 "${PODMAN[@]}" import --quiet --change 'CMD ["redis-server"]' "$WORK/redis.tar" localhost/kvpool/redis:7 >/dev/null
 rm -f "$WORK/redis.tar"
+
+# the vLLM pods' base: Debian's python3 (3.11, the test environment's minor version) and vLLM's C libraries
+mmdebstrap --quiet --variant=essential --include=python3,libnuma1,libgomp1 \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' bookworm "$WORK/vllm-base.tar"
+"${PODMAN[@]}" import --quiet --change 'CMD ["python3"]' "$WORK/vllm-base.tar" localhost/kvpool/vllm-base:node >/dev/null
+rm -f "$WORK/vllm-base.tar"
 
 PYTHON=$REPO/.venv/bin/python bash "$REPO/tests/chart/podman/wheelhouse.sh" "$WORK/wheels" \
     "$REPO"/requirements/{sidecar,operator,build}.txt

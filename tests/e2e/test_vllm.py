@@ -1,9 +1,11 @@
-"""vLLM on a real cluster (kind only, until the real node has a CPU vLLM image): injection, the
-sidecar's endpoints, a cross-pod cache hit through
-the shared Redis tier with identical output, honest `kubectl get kvp`, and clean deletion.
+"""vLLM on a real cluster, from a stock image (nothing of kvpool in it): injection with the staged
+connector, the sidecar's endpoints, a returning prompt loaded from kvpool (vLLM's own /metrics), a
+cross-pod hit through the shared Redis tier with identical output, a killed sidecar that vLLM answers
+through with the same tokens, honest `kubectl get kvp`, and clean deletion. Runs on the real node
+(make test) and on kind (make e2e-kind).
 
-The tests run in file order on one cluster: the hit-rate check reads what the cross-pod test did,
-and the last test deletes the pool.
+The tests run in file order on one cluster: the hit-rate check reads what the earlier tests did, and
+the last test deletes the pool.
 """
 
 from __future__ import annotations
@@ -13,14 +15,25 @@ import urllib.request
 from typing import Any
 
 import pytest
-from clusterkit import NAMESPACE, get_json, kubectl, kubectl_json, pods, port_forward
+from clusterkit import (
+    NAMESPACE,
+    Cluster,
+    container_status,
+    container_statuses,
+    get_json,
+    kubectl,
+    kubectl_json,
+    pods,
+    port_forward,
+)
 from kvtest import wait_until
 from podchecks import assert_injected
 
-pytestmark = pytest.mark.kind
+pytestmark = pytest.mark.e2e
 
 STATUS_PORT = 7071  # the pool's sidecar port 7070 + 1
 PROMPT = " ".join(f"the cache keeps token {i} of this prompt warm" for i in range(30))
+RETURNING = " ".join(f"a user comes back with message {i} of the conversation" for i in range(30))
 
 
 def vllm_pods() -> list[dict[str, Any]]:
@@ -36,13 +49,27 @@ def complete(base: str, prompt: str) -> str:
         return json.load(r)["choices"][0]["text"]
 
 
-def test_both_pods_got_the_sidecar_and_the_config(vllm_workload: str) -> None:
+def hit_tokens(base: str) -> float:
+    """vLLM's own counter of prompt tokens kvpool loaded (the connector's Prometheus metrics)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    counted = [line for line in text.splitlines() if line.startswith("vllm:kvpool_hit_tokens_total")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in counted)
+
+
+def test_both_stock_pods_got_the_sidecar_the_connector_and_the_config(vllm_workload: str) -> None:
     pods = vllm_pods()
     assert len(pods) == 2
     pool = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared")
     for pod in pods:
         assert_injected(pod, pool, "vllm")  # the same check the API-server tier makes (tests/k8s)
         assert all(cs["ready"] for cs in pod["status"]["containerStatuses"])
+        # the image has no kvpool: vLLM loaded the staged payload, first on its PYTHONPATH, and never
+        # restarted for want of it
+        (vllm,) = pod["spec"]["containers"]
+        paths = [e["value"] for e in vllm["env"] if e["name"] == "PYTHONPATH"]
+        assert paths and paths[0].startswith("/opt/kvpool-connector"), paths
+        assert all(s["restartCount"] == 0 for s in container_statuses(pod)), container_statuses(pod)
 
 
 def test_sidecar_readyz_and_stats_through_port_forward(vllm_workload: str) -> None:
@@ -53,6 +80,19 @@ def test_sidecar_readyz_and_stats_through_port_forward(vllm_workload: str) -> No
             stats = get_json(url + "/stats")
             assert stats["capacity_bytes"] == 256 * 2**20
             assert stats["tiers"]["redis"]["ready"] is True
+
+
+def test_a_returning_prompt_is_loaded_from_kvpool_with_identical_output(vllm_workload: str) -> None:
+    """vLLM's own prefix cache is off in these pods: a returning prompt's prefix can only come from
+    kvpool, and vLLM's /metrics counts it."""
+    a = vllm_pods()[0]["metadata"]["name"]
+    with port_forward(a, 8000) as vllm_a:
+        first = complete(vllm_a, RETURNING)
+        before = hit_tokens(vllm_a)
+        again = complete(vllm_a, RETURNING)
+        loaded = wait_until(lambda: (n := hit_tokens(vllm_a)) > before and n, 60, "vLLM's count of the hit")
+    assert again == first
+    assert loaded - before >= 32  # at least one whole chunk of the prompt came from the sidecar
 
 
 def test_same_prompt_on_a_then_b_is_a_hit_on_b_with_identical_output(vllm_workload: str) -> None:
@@ -69,6 +109,27 @@ def test_same_prompt_on_a_then_b_is_a_hit_on_b_with_identical_output(vllm_worklo
     assert after["hits"] > before["hits"], (before, after)
     assert after["tiers"]["redis"]["hits"] > before["tiers"]["redis"]["hits"]
     assert text_b == text_a
+
+
+def test_vllm_answers_the_same_through_a_killed_sidecar(cluster: Cluster, vllm_workload: str) -> None:
+    """The sidecar SIGKILLed: vLLM keeps answering (a cache down is a miss), with the same tokens, and
+    is never restarted; the same pod restarts the sidecar."""
+    pod = vllm_pods()[0]
+    name = pod["metadata"]["name"]
+    before = container_status(pod, "kvpool-sidecar")
+    with port_forward(name, 8000) as vllm:
+        expected = complete(vllm, PROMPT)
+        cluster.kill_container(before["containerID"])
+        assert complete(vllm, PROMPT) == expected  # while the sidecar is down or restarting
+
+        def restarted() -> dict[str, Any] | None:
+            p = kubectl_json("-n", NAMESPACE, "get", "pod", name)
+            s = container_status(p, "kvpool-sidecar")
+            return p if s["restartCount"] > before["restartCount"] and s.get("ready") else None
+
+        after = wait_until(restarted, 120, "the killed sidecar to be restarted")
+        assert complete(vllm, PROMPT) == expected  # and with the new, empty sidecar
+    assert container_status(after, "vllm")["restartCount"] == container_status(pod, "vllm")["restartCount"]
 
 
 def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(vllm_workload: str) -> None:
