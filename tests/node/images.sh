@@ -7,7 +7,7 @@
 #   redis.tar      localhost/kvpool/redis:7        Debian's redis-server (what a pool's spec.redis.image
 #                                                  names; the public redis image needs a registry)
 #   vllm-base.tar  localhost/kvpool/vllm-base:node Debian's python3 with the C libraries vLLM's CPU
-#                                                  build loads (libnuma, libgomp); the vLLM scenarios
+#                                                  build loads (libnuma, libgomp, libstdc++); the vLLM scenarios
 #                                                  mount the test environment's site-packages into it
 #                                                  (vLLM and torch, ~6 GB), so the image holds no kvpool
 # The Python base is the image test's (tests/chart/podman/base-image.sh: Debian bookworm's python3 by
@@ -73,7 +73,7 @@ mmdebstrap --quiet --variant=essential --include=redis-server \
 rm -f "$WORK/redis.tar"
 
 # the vLLM pods' base: Debian's python3 (3.11, the test environment's minor version) and vLLM's C libraries
-mmdebstrap --quiet --variant=essential --include=python3,libnuma1,libgomp1 \
+mmdebstrap --quiet --variant=essential --include=python3,libnuma1,libgomp1,libstdc++6 \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' bookworm "$WORK/vllm-base.tar"
 "${PODMAN[@]}" import --quiet --change 'CMD ["python3"]' "$WORK/vllm-base.tar" localhost/kvpool/vllm-base:node >/dev/null
