@@ -11,9 +11,11 @@ import copy
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import aiohttp
 import kopf
 
 from kvpool_operator import events
+from kvpool_operator.config_file import ConfigMapRead, Unreadable, config_maps_to_read
 from kvpool_operator.injection import NamespaceLimits, decide
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pool import Pool
@@ -48,8 +50,14 @@ async def inject(
     pod = copy.deepcopy(dict(body))
     namespace = (pod.get("metadata") or {}).get("namespace") or ""
     pools = list(pools)
-    limits = await namespace_limits(memo.kube, namespace) if pools else None
-    decision = decide(pod, namespace, pools, memo.settings, limits)
+    limits, config_maps = (
+        await asyncio.gather(
+            namespace_limits(memo.kube, namespace), read_config_maps(memo.kube, namespace, pod)
+        )
+        if pools
+        else (None, {})
+    )
+    decision = decide(pod, namespace, pools, memo.settings, limits, config_maps)
     warnings.extend(decision.warnings)
     if decision.pod is not None:
         new = decision.pod
@@ -74,6 +82,21 @@ async def namespace_limits(kube: Kube, namespace: str) -> NamespaceLimits | Skip
     except (ApiError, OSError, TimeoutError) as e:
         return Skip("LimitsUnreadable", f"cannot read the namespace's LimitRanges and ResourceQuotas: {e}")
     return NamespaceLimits(ranges, quotas)
+
+
+async def read_config_maps(kube: Kube, namespace: str, pod: Any) -> dict[str, ConfigMapRead]:
+    """The ConfigMaps the pod's vLLM `--config` files come from (usually none: no API call), each
+    read, or why it could not be (decide() then skips the pod with that reason)."""
+
+    async def read(name: str) -> ConfigMapRead:
+        try:
+            found = await kube.get("ConfigMap", namespace, name)
+        except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as e:
+            return Unreadable(f"reading it failed: {e}")
+        return found if found is not None else Unreadable(f"no ConfigMap {name} in namespace {namespace}")
+
+    wanted = sorted(config_maps_to_read(pod))
+    return dict(zip(wanted, await asyncio.gather(*map(read, wanted)), strict=True))
 
 
 def _background(memo: Any, coro: Any) -> None:
