@@ -14,7 +14,6 @@ from typing import Any
 import aiohttp
 import kopf
 
-from kvpool_operator import events
 from kvpool_operator.config_file import ConfigMapRead, Unreadable, config_maps_to_read
 from kvpool_operator.injection import NamespaceLimits, decide
 from kvpool_operator.kube import ApiError, Kube
@@ -67,9 +66,9 @@ async def inject(
             raw.update(copy.deepcopy(new))
 
         patch.fns.append(replace)
-    if decision.warnings and not dryrun:
-        for pool in decision.pools:
-            _background(memo, events.post(memo.kube, pool, "Warning", "PodNotInjected", decision.warnings[0]))
+    if decision.skip is not None and not dryrun:
+        for pool in decision.pools:  # counted per (pool, reason, owner), written after the answer
+            memo.skip_events.record(pool, decision.skip, pod)
 
 
 async def namespace_limits(kube: Kube, namespace: str) -> NamespaceLimits | Skip:
@@ -97,10 +96,3 @@ async def read_config_maps(kube: Kube, namespace: str, pod: Any) -> dict[str, Co
 
     wanted = sorted(config_maps_to_read(pod))
     return dict(zip(wanted, await asyncio.gather(*map(read, wanted)), strict=True))
-
-
-def _background(memo: Any, coro: Any) -> None:
-    """Events are posted after the answer: the API server waits on the webhook, not on events."""
-    task = asyncio.get_running_loop().create_task(coro)
-    memo.background.add(task)
-    task.add_done_callback(memo.background.discard)
