@@ -315,6 +315,85 @@ def test_pods_kvpool_cannot_configure_are_admitted_untouched_told_and_counted(op
     wait_until(told, 60, "a warning event on the pool for each skipped pod")
 
 
+CONFIGS = {  # ConfigMap -> (its config.yaml, what the pod gets: injected, or the reason it is skipped)
+    "nixl": ("kv-transfer-config:\n  kv_connector: NixlConnector\n  kv_role: kv_both\n", "OwnConnector"),
+    "plain": ("max-model-len: 128\nport: 8000\n", None),
+    "broken": ("port: [8000\n", "ConfigFileInvalid"),
+}
+
+
+def test_a_connector_in_a_config_map_config_file_is_the_users_and_the_file_is_read(operator: tuple) -> None:
+    """vLLM reads `--config FILE` too: the webhook reads the ConfigMap the file comes from (the
+    chart's RBAC lets it) and leaves a pod whose file names a connector untouched; a file without one
+    gets the cache; one that is not YAML is skipped with the reason, the pod still admitted."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-config")
+    apply(cp, cpu_pool(ns))
+    published = wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    for name, (text, _) in CONFIGS.items():
+        config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
+                      "data": {"config.yaml": text}}  # fmt: skip
+        serve = ["vllm", "serve", "/models/llama", "--config", "/etc/vllm/config.yaml"]
+        vllm = container("vllm", command=serve, volumeMounts=[{"name": "config", "mountPath": "/etc/vllm"}])
+        volume = {"name": "config", "configMap": {"name": name}}
+        apply(cp, config_map, bare_pod(ns, name, vllm, volumes=[volume]))
+    for name, (_, reason) in CONFIGS.items():
+        pod = get_json(cp, "-n", ns, "pod", name)
+        if reason is None:
+            assert_injected(pod, published, "vllm")
+            continue
+        assert untouched(pod), name
+        skipped = pod["metadata"]["annotations"]["kvpool.dev/skipped"]
+        assert skipped.startswith(f"{reason}: container vllm"), skipped
+    assert (
+        "--config /etc/vllm/config.yaml"
+        in get_json(cp, "-n", ns, "pod", "nixl")["metadata"]["annotations"]["kvpool.dev/skipped"]
+    )
+    assert (
+        "is not YAML"
+        in get_json(cp, "-n", ns, "pod", "broken")["metadata"]["annotations"]["kvpool.dev/skipped"]
+    )
+
+
+def test_skipped_replicas_are_one_event_with_a_count_naming_their_replica_set(operator: tuple) -> None:
+    """20 replicas kvpool cannot configure (on the host's network) are one PodNotInjected event on
+    the pool, counted 20 times, naming their ReplicaSet and a pod: not 20 events."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-many-skipped")
+    apply(cp, cpu_pool(ns))
+    wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    replicas = 20
+    apply(cp, {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "vllm", "namespace": ns},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "template": {"metadata": {"labels": {"app": "vllm"}},
+                         "spec": {"containers": [container("vllm", **VLLM)], "hostNetwork": True}},
+        },
+    })  # fmt: skip
+    wait_until(lambda: len(pods_of(cp, ns)) == replicas, 90, f"{replicas} pods")
+    (replica_set,) = get_json(cp, "-n", ns, "replicasets", "-l", "app=vllm")["items"]
+    owner = f"ReplicaSet/{replica_set['metadata']['name']}"
+
+    def skip_events() -> list[dict[str, Any]]:
+        found = get_json(cp, "-n", ns, "events", "--field-selector", "reason=PodNotInjected")["items"]
+        return [e for e in found if e["involvedObject"]["name"] == "llama"]
+
+    found = wait_until(
+        lambda: (found := skip_events()) and sum(e.get("count", 1) for e in found) >= replicas and found,
+        60,
+        f"the pool's PodNotInjected events to count {replicas} pods",
+    )
+    assert len(found) == 1, [(e["count"], e["message"]) for e in found]
+    (event,) = found
+    assert event["count"] == replicas and event["type"] == "Warning"
+    assert event["message"].startswith(f"pod {replica_set['metadata']['name']}-"), event["message"]
+    assert f" of {owner}: HostNetwork: " in event["message"], event["message"]
+
+
 def _limited_namespace(cp: ControlPlane, name: str, kind: str, spec: dict[str, Any], capacity: str) -> str:
     """A namespace with one LimitRange or ResourceQuota and a Ready pool of `capacity`."""
     ns = namespace(cp, name)
