@@ -212,8 +212,8 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
             "redis": {"mode": "shared", "replicas": 2, "memory": "512Mi"},
         },
     )
-    status = wait_status(cluster, ns, "llama", lambda s: s.get("connectorConfig"), "config")
-    assert condition(status, "Ready")["reason"] == "SharedTierStarting"  # no shard is ready yet
+    starting = lambda s: condition(s, "Ready").get("reason") == "SharedTierStarting"  # noqa: E731
+    wait_status(cluster, ns, "llama", starting, "no shard ready yet")
 
     secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis"))
     password = secret_value(secret, "password")

@@ -5,7 +5,6 @@ compared with the expected one."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +15,8 @@ from kvtest import wait_until
 from podchecks import sidecar_of
 from webhooks import admitted, review, take_skip_reason
 
-from kvpool_operator.injection import decide
+from kvpool_operator.injected_parts import digest
+from kvpool_operator.injection import decide, remove_injection
 from kvpool_operator.pool import parse_pool
 from kvpool_operator.settings import OperatorSettings
 from kvpool_sidecar.settings import parse_settings
@@ -126,7 +126,7 @@ EXPECTED_SOLO = {
         "generateName": "vllm-",
         "labels": {"app": "solo", "kvpool.dev/pool": "solo"},
         "annotations": {
-            "kvpool.dev/config-hash": hashlib.sha256(SOLO_CONFIG.encode()).hexdigest()[:16],
+            "kvpool.dev/config-hash": "",  # below: a digest of all that was added
             "kvpool.dev/status-port": "7071",
         },
     },
@@ -190,6 +190,9 @@ EXPECTED_SOLO = {
         "securityContext": {"supplementalGroups": [65532]},  # the arena's group, for vLLM too
     },
 }
+EXPECTED_SOLO["metadata"]["annotations"]["kvpool.dev/config-hash"] = digest(
+    remove_injection(EXPECTED_SOLO), EXPECTED_SOLO
+)
 
 
 def test_matched_pod_gets_native_sidecar_and_config(pools: Cluster) -> None:
@@ -355,6 +358,8 @@ def test_legacy_mode_adds_a_plain_container() -> None:
     expected["spec"]["initContainers"] = [payload]  # the payload is still copied before vLLM starts
     del sidecar["restartPolicy"]
     expected["spec"]["containers"].append(sidecar)
+    annotations = expected["metadata"]["annotations"]  # what was added differs: so does its digest
+    annotations["kvpool.dev/config-hash"] = digest(remove_injection(expected), expected)
     assert decision.pod == expected
     assert (
         decide(

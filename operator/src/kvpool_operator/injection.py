@@ -14,13 +14,15 @@ from typing import Any
 from kvpool_operator import names
 from kvpool_operator.admission_fit import added_by_injection
 from kvpool_operator.config_file import ConfigMapRead, config_connector
-from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
+from kvpool_operator.connector_config import kv_transfer_config, render
+from kvpool_operator.injected_parts import digest
 from kvpool_operator.pods import opted_out
 from kvpool_operator.pool import Pool, problems
 from kvpool_operator.quantity import format_mebibytes
 from kvpool_operator.resources import guaranteed, sidecar_resources
 from kvpool_operator.selector import matches
 from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.vllm_breaker import skip as vllm_breaker_skip
 from kvpool_operator.vllm_target import Skip, strip_ours, target_container
 
 ARENA_HEADROOM_BYTES = 2**20  # beside the arena file: the control socket, page rounding
@@ -122,7 +124,7 @@ def _configurable(
         return found
     if stages_connector(pod) and (problem := python_path_problem(pod["spec"]["containers"][found])):
         return problem
-    return config_connector(pod, found, config_maps) or found
+    return vllm_breaker_skip(pod, found, pool) or config_connector(pod, found, config_maps) or found
 
 
 def inject(
@@ -168,8 +170,9 @@ def inject(
     meta = result.setdefault("metadata", {})
     meta.setdefault("labels", {})[names.POOL_LABEL] = pool.name
     annotations = meta.setdefault("annotations", {})
-    annotations[names.CONFIG_HASH_ANNOTATION] = config_hash(config_text)
     annotations[names.STATUS_PORT_ANNOTATION] = str(pool.status_port)
+    # last: a digest of everything added above (and whatever else inject adds), to tell outdated pods
+    annotations[names.CONFIG_HASH_ANNOTATION] = digest(remove_injection(result), result)
     return result
 
 
