@@ -11,8 +11,10 @@ operator (fail-open).
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import contextlib
 import json
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,6 +124,23 @@ def all_ready(pods: list[dict[str, Any]], n: int) -> list[dict[str, Any]] | None
     return ready if len(ready) == n else None
 
 
+# The namespaces whose pool "llama" a test below left broken, for kubectl wait to time out on
+BROKEN: list[str] = []
+
+
+def not_ready_for(cp: ControlPlane, ns: str, reason: str, name: str = "llama") -> dict[str, Any] | None:
+    """The pool's Ready condition once it is False for `reason`."""
+    found = [c for c in pool_status(cp, ns, name).get("conditions", []) if c["type"] == "Ready"]
+    return found[0] if found and found[0]["status"] == "False" and found[0]["reason"] == reason else None
+
+
+@pytest.fixture(scope="module")
+def kept() -> Iterator[contextlib.ExitStack]:
+    """Processes (sidecars, Redis) that stay up until the module ends: kubectl wait runs on them."""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
 # --- RBAC ------------------------------------------------------------------------------------------
 
 
@@ -212,8 +231,10 @@ def test_pool_status_counts_pods_and_reads_their_real_sidecars(operator: tuple, 
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "True" and ready["observedGeneration"] == pool["metadata"]["generation"]
         assert status["observedGeneration"] == pool["metadata"]["generation"]
-        _, row = cp.kubectl("-n", ns, "get", "kvp", "llama").splitlines()
-        assert row.split()[1:5] == ["cpu", "64Mi", "2", "2"]
+        assert ready["reason"] == "Serving"
+        header, row = cp.kubectl("-n", ns, "get", "kvp", "llama").splitlines()
+        assert header.split()[:7] == ["NAME", "BACKEND", "CAPACITY", "READY", "REASON", "PODS", "READY-PODS"]
+        assert row.split()[1:7] == ["cpu", "64Mi", "True", "Serving", "2", "2"]
     finally:
         for proc in sidecars:
             proc.stop()
@@ -228,16 +249,21 @@ def _put_and_get(url: str, key: str) -> None:
 
 
 def test_a_changed_pool_marks_running_pods_outdated_with_an_event(operator: tuple) -> None:
+    """A new capacity and sidecar image leave the connector config as it was; the running pods still
+    carry the old sidecar, so they are outdated (they were counted current before: only the connector
+    config's hash was compared)."""
     cp, _ = operator
     ns = "vllm-restricted"
-    cp.kubectl(
-        "-n", ns, "patch", "kvp", "llama", "--type=merge", "-p", json.dumps({"spec": {"chunkSize": 64}})
-    )
-    status = wait_until(lambda: (s := pool_status(cp, ns, "llama")).get("outdatedPods") == 2 and s, 60,
-                        "both running pods counted outdated")  # fmt: skip
-    assert json.loads(status["connectorConfig"])["kv_connector_extra_config"]["chunk_size"] == 64
-    events = get_json(cp, "-n", ns, "events", "--field-selector", "involvedObject.kind=KVCachePool")["items"]
-    assert any(e["involvedObject"]["name"] == "llama" for e in events), events
+    change = {"spec": {"capacity": "128Mi", "sidecar": {"image": "kvpool/sidecar:newer"}}}
+    cp.kubectl("-n", ns, "patch", "kvp", "llama", "--type=merge", "-p", json.dumps(change))
+    wait_until(lambda: pool_status(cp, ns, "llama").get("outdatedPods") == 2, 60,
+               "both running pods counted outdated")  # fmt: skip
+
+    def told() -> list[str]:
+        found = get_json(cp, "-n", ns, "events", "--field-selector", "reason=ConfigUpdated")["items"]
+        return [e["message"] for e in found if "2 of 2 running pod(s) are outdated" in e["message"]]
+
+    wait_until(told, 30, "a ConfigUpdated event counting the outdated pods")
 
 
 def bare_pod(ns: str, name: str, *containers: dict[str, Any], **spec: Any) -> dict[str, Any]:
@@ -315,6 +341,85 @@ def test_pods_kvpool_cannot_configure_are_admitted_untouched_told_and_counted(op
     wait_until(told, 60, "a warning event on the pool for each skipped pod")
 
 
+CONFIGS = {  # ConfigMap -> (its config.yaml, what the pod gets: injected, or the reason it is skipped)
+    "nixl": ("kv-transfer-config:\n  kv_connector: NixlConnector\n  kv_role: kv_both\n", "OwnConnector"),
+    "plain": ("max-model-len: 128\nport: 8000\n", None),
+    "broken": ("port: [8000\n", "ConfigFileInvalid"),
+}
+
+
+def test_a_connector_in_a_config_map_config_file_is_the_users_and_the_file_is_read(operator: tuple) -> None:
+    """vLLM reads `--config FILE` too: the webhook reads the ConfigMap the file comes from (the
+    chart's RBAC lets it) and leaves a pod whose file names a connector untouched; a file without one
+    gets the cache; one that is not YAML is skipped with the reason, the pod still admitted."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-config")
+    apply(cp, cpu_pool(ns))
+    published = wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    for name, (text, _) in CONFIGS.items():
+        config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns},
+                      "data": {"config.yaml": text}}  # fmt: skip
+        serve = ["vllm", "serve", "/models/llama", "--config", "/etc/vllm/config.yaml"]
+        vllm = container("vllm", command=serve, volumeMounts=[{"name": "config", "mountPath": "/etc/vllm"}])
+        volume = {"name": "config", "configMap": {"name": name}}
+        apply(cp, config_map, bare_pod(ns, name, vllm, volumes=[volume]))
+    for name, (_, reason) in CONFIGS.items():
+        pod = get_json(cp, "-n", ns, "pod", name)
+        if reason is None:
+            assert_injected(pod, published, "vllm")
+            continue
+        assert untouched(pod), name
+        skipped = pod["metadata"]["annotations"]["kvpool.dev/skipped"]
+        assert skipped.startswith(f"{reason}: container vllm"), skipped
+    assert (
+        "--config /etc/vllm/config.yaml"
+        in get_json(cp, "-n", ns, "pod", "nixl")["metadata"]["annotations"]["kvpool.dev/skipped"]
+    )
+    assert (
+        "is not YAML"
+        in get_json(cp, "-n", ns, "pod", "broken")["metadata"]["annotations"]["kvpool.dev/skipped"]
+    )
+
+
+def test_skipped_replicas_are_one_event_with_a_count_naming_their_replica_set(operator: tuple) -> None:
+    """20 replicas kvpool cannot configure (on the host's network) are one PodNotInjected event on
+    the pool, counted 20 times, naming their ReplicaSet and a pod: not 20 events."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-many-skipped")
+    apply(cp, cpu_pool(ns))
+    wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    replicas = 20
+    apply(cp, {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "vllm", "namespace": ns},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "template": {"metadata": {"labels": {"app": "vllm"}},
+                         "spec": {"containers": [container("vllm", **VLLM)], "hostNetwork": True}},
+        },
+    })  # fmt: skip
+    wait_until(lambda: len(pods_of(cp, ns)) == replicas, 90, f"{replicas} pods")
+    (replica_set,) = get_json(cp, "-n", ns, "replicasets", "-l", "app=vllm")["items"]
+    owner = f"ReplicaSet/{replica_set['metadata']['name']}"
+
+    def skip_events() -> list[dict[str, Any]]:
+        found = get_json(cp, "-n", ns, "events", "--field-selector", "reason=PodNotInjected")["items"]
+        return [e for e in found if e["involvedObject"]["name"] == "llama"]
+
+    found = wait_until(
+        lambda: (found := skip_events()) and sum(e.get("count", 1) for e in found) >= replicas and found,
+        60,
+        f"the pool's PodNotInjected events to count {replicas} pods",
+    )
+    assert len(found) == 1, [(e["count"], e["message"]) for e in found]
+    (event,) = found
+    assert event["count"] == replicas and event["type"] == "Warning"
+    assert event["message"].startswith(f"pod {replica_set['metadata']['name']}-"), event["message"]
+    assert f" of {owner}: HostNetwork: " in event["message"], event["message"]
+
+
 def _limited_namespace(cp: ControlPlane, name: str, kind: str, spec: dict[str, Any], capacity: str) -> str:
     """A namespace with one LimitRange or ResourceQuota and a Ready pool of `capacity`."""
     ns = namespace(cp, name)
@@ -336,6 +441,11 @@ def test_a_pod_the_sidecar_would_push_over_a_limit_range_is_admitted_untouched(o
     pod = get_json(cp, "-n", ns, "pod", "big")
     assert untouched(pod) and "initContainers" not in pod["spec"]
     assert pod["metadata"]["annotations"]["kvpool.dev/skipped"].startswith("LimitRangeExceeded: ")
+    ready = wait_until(
+        lambda: not_ready_for(cp, ns, "LimitRangeExceeded"), 60, "not Ready: every pod skipped"
+    )
+    assert "1 of 1 matched pod(s) run without the cache" in ready["message"] and "big" in ready["message"]
+    BROKEN.append(ns)
 
 
 def test_a_pod_the_sidecar_would_push_over_a_quota_is_admitted_untouched(operator: tuple) -> None:
@@ -361,6 +471,9 @@ def test_the_webhook_sees_only_namespaces_that_opt_in(operator: tuple) -> None:
     apply(cp, bare_pod(ns, "vllm", container("vllm", **VLLM)))
     pod = get_json(cp, "-n", ns, "pod", "vllm")
     assert untouched(pod) and "kvpool.dev/skipped" not in (pod["metadata"].get("annotations") or {})
+    ready = wait_until(lambda: not_ready_for(cp, ns, "InjectionNotEnabled"), 60, "InjectionNotEnabled")
+    assert "vllm" in ready["message"] and "kvpool.dev/injection=enabled" in ready["message"]
+    BROKEN.append(ns)  # the pod stays as it was created: kubectl wait (below) times out
     cp.kubectl("label", "namespace", ns, "kvpool.dev/injection=enabled")
     apply(cp, bare_pod(ns, "vllm-2", container("vllm", **VLLM)))
     assert not untouched(get_json(cp, "-n", ns, "pod", "vllm-2"))
@@ -454,6 +567,8 @@ def test_a_call_the_api_server_refuses_degrades_the_pool_instead_of_retrying(ope
     pool = wait_until(refused, 60, "the pool Degraded with the API server's refusal")
     (degraded,) = [c for c in pool["status"]["conditions"] if c["type"] == "Degraded"]
     assert "403" in degraded["message"] and "quota" in degraded["message"]
+    assert pool["status"]["refused"]["observedGeneration"] == pool["metadata"]["generation"]
+    BROKEN.append(ns)  # refresh runs every second: kubectl wait (below) shows it never says Ready
     # kopf keeps a handler's retry state in an annotation while it retries; there is none
     assert not [k for k in pool["metadata"].get("annotations", {}) if k.startswith("kvpool.dev/reconcile")]
 
@@ -502,6 +617,164 @@ def test_a_sidecar_that_cannot_start_opens_a_breaker_so_new_pods_start_without_i
                "-p", json.dumps({"spec": {"sidecar": {"image": "kvpool/sidecar:fixed"}}}))  # fmt: skip
     wait_until(lambda: "sidecarNotStarting" not in pool_status(cp, ns, "llama"), 60, "the breaker closed")
     wait_until(lambda: not untouched(admitted_as("again")), 60, "new pods injected again")
+
+
+# --- Ready means the pool serves -----------------------------------------------------------------
+
+
+def _pod_with_sidecar(
+    cp: ControlPlane,
+    kept: contextlib.ExitStack,
+    workdir: Path,
+    ns: str,
+    redis_urls: list[str] = (),
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """One injected vLLM pod, Running and Ready (kwok), and its sidecar: the real process on the pod's
+    address with the pool's status port, kept up until the module ends."""
+    apply(cp, bare_pod(ns, "vllm", container("vllm", **VLLM)))
+    (pod,) = wait_until(lambda: all_ready(pods_of(cp, ns), 1), 90, "the pod Running and Ready")
+    assert not untouched(pod)
+    port = pod["metadata"]["annotations"]["kvpool.dev/status-port"]
+    address = ["--status-host", pod["status"]["podIP"], "--status-port", port]
+    proc = start_sidecar(workdir, "64Mi", list(redis_urls), *address, *extra, env=env)
+    kept.callback(proc.stop)
+    return pod
+
+
+def _pool_key(cp: ControlPlane, ns: str) -> str:
+    secret = get_json(
+        cp, "-n", ns, "secret", "llama-kvpool-key"
+    )  # made by the operator (the test may read it)
+    return base64.b64decode(secret["data"]["pool-key"]).decode()
+
+
+def test_a_healthy_pool_with_a_serving_sidecar_is_ready(
+    operator: tuple, kept: contextlib.ExitStack, tmp_path: Path
+) -> None:
+    cp, _ = operator
+    ns = namespace(cp, "vllm-healthy")
+    apply(cp, cpu_pool(ns))
+    _pod_with_sidecar(cp, kept, tmp_path, ns)
+    ready = wait_until(lambda: (p := pool_ready(cp, ns, "llama")) and p["status"]["stats"]["sidecars"] == 1
+                       and p, 60, "the pool Ready with its pod's sidecar")  # fmt: skip
+    (cond,) = [c for c in ready["status"]["conditions"] if c["type"] == "Ready"]
+    assert cond["reason"] == "Serving"
+
+
+def test_a_missing_password_secret_is_redis_refusing_the_sidecars(
+    operator: tuple, kept: contextlib.ExitStack, tmp_path: Path
+) -> None:
+    """The pool's passwordSecretRef names no Secret (the operator never reads Secrets, so only the
+    sidecars can tell): the sidecar starts without a password and the real Redis refuses it."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-no-secret")
+    port, _ = kept.enter_context(redis_with(password="s3cret-the-pool-never-gets"))
+    url = f"redis://127.0.0.1:{port}"
+    redis = {"mode": "external", "url": url, "passwordSecretRef": {"name": "absent"}}
+    apply(cp, cpu_pool(ns, backend="redis", redis=redis))
+    wait_until(lambda: pool_status(cp, ns, "llama").get("connectorConfig"), 60, "the pool reconciled")
+    env = {"KVPOOL_POOL_KEY": _pool_key(cp, ns)}  # as the kubelet gives it; the password's Secret is absent
+    _pod_with_sidecar(cp, kept, tmp_path, ns, [url], "--pool-key-required", env=env)
+    ready = wait_until(lambda: not_ready_for(cp, ns, "RedisAuthFailed"), 60, "RedisAuthFailed")
+    assert "Authentication" in ready["message"]
+    BROKEN.append(ns)
+
+
+def test_an_unreachable_redis_is_said(operator: tuple, kept: contextlib.ExitStack, tmp_path: Path) -> None:
+    cp, _ = operator
+    ns = namespace(cp, "vllm-redis-down")
+    url = f"redis://127.0.0.1:{free_port()}"  # nothing listens
+    apply(cp, cpu_pool(ns, backend="redis", redis={"mode": "external", "url": url}))
+    wait_until(lambda: pool_status(cp, ns, "llama").get("connectorConfig"), 60, "the pool reconciled")
+    env = {"KVPOOL_POOL_KEY": _pool_key(cp, ns)}
+    _pod_with_sidecar(cp, kept, tmp_path, ns, [url], "--pool-key-required", env=env)
+    ready = wait_until(lambda: not_ready_for(cp, ns, "RedisUnreachable"), 60, "RedisUnreachable")
+    assert "ConnectionError" in ready["message"]
+    BROKEN.append(ns)
+
+
+CRASHING_IMAGE = "vllm/vllm-openai:v0.11.0"  # a stock image: no kvpool_connector in it
+
+
+def _admitted_as(cp: ControlPlane, ns: str, name: str, image: str) -> dict[str, Any]:
+    """The pod as the API server would admit it (a dry run runs the webhook too)."""
+    doc = json.dumps(bare_pod(ns, name, container("vllm", image, **VLLM)))
+    return json.loads(cp.kubectl("create", "--dry-run=server", "-o", "json", "-f", "-", stdin=doc))
+
+
+def test_a_vllm_that_crash_loops_after_injection_opens_a_breaker_for_its_image(operator: tuple) -> None:
+    """The kubelet reports the injected pod's vLLM in CrashLoopBackOff (what a stock image without the
+    connector does at every start): the pool says so, an event names the pod and the image, and new
+    pods of that image start without the cache, while another image is still injected."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-crash")
+    apply(cp, cpu_pool(ns))
+    wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
+    crash = bare_pod(ns, "crash", container("vllm", CRASHING_IMAGE, **VLLM))
+    crash["metadata"]["annotations"] = CUSTOM_STATUS  # kwok leaves its status to the test, as kubelet
+    apply(cp, crash)
+    assert not untouched(get_json(cp, "-n", ns, "pod", "crash"))
+    failed = {
+        "exitCode": 1,
+        "reason": "Error",
+        "message": "ModuleNotFoundError: No module named 'kvpool_connector'",
+    }
+    kubelet_says = {"phase": "Running", "containerStatuses": [
+        {"name": "vllm", "image": CRASHING_IMAGE, "imageID": "", "ready": False, "started": False,
+         "restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+         "lastState": {"terminated": failed}}]}  # fmt: skip
+    cp.kubectl("-n", ns, "patch", "pod", "crash", "--subresource=status", "--type=merge",
+               "-p", json.dumps({"status": kubelet_says}))  # fmt: skip
+    ready = wait_until(lambda: not_ready_for(cp, ns, "VLLMFailing"), 60, "the vLLM breaker open")
+    assert CRASHING_IMAGE in ready["message"] and "crash" in ready["message"]
+    (opened,) = pool_status(cp, ns, "llama")["vllmFailing"]["images"]
+    assert (opened["image"], opened["pod"]) == (CRASHING_IMAGE, "crash")
+    (event,) = get_json(cp, "-n", ns, "events", "--field-selector", "reason=VLLMFailing")["items"]
+    assert "crash" in event["message"] and CRASHING_IMAGE in event["message"]
+
+    skipped = wait_until(
+        lambda: (p := _admitted_as(cp, ns, "next", CRASHING_IMAGE))["metadata"].get("annotations", {})
+        .get("kvpool.dev/skipped") and p, 60, "new pods of that image admitted without the cache",
+    )  # fmt: skip
+    assert skipped["metadata"]["annotations"]["kvpool.dev/skipped"].startswith("VLLMFailing: ")
+    assert untouched(skipped)
+    assert not untouched(_admitted_as(cp, ns, "other", "vllm/vllm-openai:v0.32.0"))  # another image
+    BROKEN.append(ns)
+
+
+def test_kubectl_wait_for_ready_times_out_on_every_broken_pool_and_succeeds_on_a_healthy_one(
+    operator: tuple,
+) -> None:
+    """The review's broken pools (an unlabelled namespace, every pod over a LimitRange, a quota that
+    refuses the ConfigMap, a missing password Secret, an unreachable Redis, a crash-looping vLLM) all
+    said Ready before. The waits run side by side: one 30 s for all."""
+    cp, _ = operator
+    assert len(BROKEN) == 6, BROKEN
+
+    def wait(ns: str) -> subprocess.CompletedProcess:
+        return cp.kubectl_result("-n", ns, "wait", "--for=condition=Ready", "--timeout=30s", "kvp/llama",
+                                 timeout=60)  # fmt: skip
+
+    with concurrent.futures.ThreadPoolExecutor(len(BROKEN) + 1) as pool:
+        results = dict(zip(["vllm-healthy", *BROKEN], pool.map(wait, ["vllm-healthy", *BROKEN]), strict=True))
+    healthy = results.pop("vllm-healthy")
+    assert healthy.returncode == 0 and "condition met" in healthy.stdout, healthy.stderr
+    for ns, result in results.items():
+        assert result.returncode != 0 and "timed out" in result.stderr, (ns, result.stdout, result.stderr)
+
+
+def test_a_person_clears_the_vllm_breaker_with_an_annotation(operator: tuple) -> None:
+    """A new value of kvpool.dev/reset-breaker clears it: the image is injected again, and the pod that
+    crash-looped before does not open it again."""
+    cp, _ = operator
+    ns = "vllm-crash"
+    cp.kubectl("-n", ns, "annotate", "kvp", "llama", "kvpool.dev/reset-breaker=fixed-connector")
+    wait_until(lambda: not untouched(_admitted_as(cp, ns, "again", CRASHING_IMAGE)), 60, "the image injected")
+    wait_until(lambda: pool_status(cp, ns, "llama")["vllmFailing"]["images"] == [], 60, "the breaker cleared")
+    ready = wait_until(lambda: not_ready_for(cp, ns, "PodsNotReady"), 60, "the breaker no longer the reason")
+    assert "1 matched pod" in ready["message"]  # the crash-looping pod itself is still not Ready
 
 
 # --- the shared Redis tier -------------------------------------------------------------------------

@@ -25,8 +25,10 @@ def test_crd_names_columns_and_status(crd: dict[str, Any]) -> None:
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Backend",
         "Capacity",
+        "Ready",  # the Ready condition, and its reason
+        "Reason",
         "Pods",
-        "Ready",
+        "Ready-Pods",
         "Hit rate",
         "Age",
     ]

@@ -46,10 +46,19 @@ def c(name: str, image: str = "busybox", **fields: Any) -> dict[str, Any]:
          "OwnConnector"),
         ([c("a", command=["vllm", "serve", '--kv_transfer_config={"kv_connector":"Nixl"}'])], "OwnConnector"),
         ([c("a", command=["vllm", "serve", "--kv-transfer-config", "not json"])], "OwnConnector"),
+        ([c("a", command=["vllm", "serve"], args=["--kv-transfer-config.kv_connector", "Nixl"])],
+         "OwnConnector"),
+        ([c("a", command=["vllm", "serve", "--kv_transfer_config.kv_role=kv_both"])], "OwnConnector"),
+        ([c("a", command=["bash", "-c", "exec vllm serve m --kv-transfer-config '{}' \"$@\"", "vllm"])],
+         "OwnConnector"),
+        ([c("a", command=["sh", "-c", 'KV_TRANSFER_CONFIG=x exec vllm serve m "$@"', "vllm"])],
+         "OwnConnector"),
+        ([c("a", command=["vllm", "serve", "--kv-cache-dtype", "fp8", "--kv", "x"])], 0),  # not the flag
     ],
     ids=["by-command-after-a-proxy", "by-image-after-a-proxy", "module", "path", "sh-passes-args",
          "sh-script-in-args", "our-own-flag", "none", "two", "sh-no-args", "sh-no-dollar0", "bash-lc",
-         "users-connector", "users-connector-underscore", "users-garbage"],
+         "users-connector", "users-connector-underscore", "users-garbage", "dotted", "dotted-underscores",
+         "in-a-script", "script-any-spelling", "other-kv-flags"],
 )  # fmt: skip
 def test_the_target_container_is_found_by_what_it_runs(containers: list, expected: int | str) -> None:
     found = target_container(pod(*containers), None)

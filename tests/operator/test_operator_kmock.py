@@ -212,8 +212,8 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
             "redis": {"mode": "shared", "replicas": 2, "memory": "512Mi"},
         },
     )
-    status = wait_status(cluster, ns, "llama", lambda s: s.get("connectorConfig"), "config")
-    assert condition(status, "Ready")["reason"] == "SharedTierStarting"  # no shard is ready yet
+    starting = lambda s: condition(s, "Ready").get("reason") == "SharedTierStarting"  # noqa: E731
+    wait_status(cluster, ns, "llama", starting, "no shard ready yet")
 
     secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis"))
     password = secret_value(secret, "password")
@@ -435,6 +435,38 @@ def test_a_pool_the_schema_cannot_refuse_is_degraded_and_never_injected(cluster:
     result, response = admitted(cluster.webhook_url, pod, ns)
     assert take_skip_reason(result).startswith("PoolNotUsable: pool llama is not usable")
     assert result == pod and "not usable" in response["warnings"][0]
+
+
+def test_skipped_replicas_are_one_event_per_owner_with_a_count(cluster: Cluster) -> None:
+    """Every pod of a ReplicaSet is skipped (here: the pool's sidecar could never start, a pool not
+    usable), and its pool gets one PodNotInjected event for them, counted up in place, naming the owner
+    and a pod."""
+    ns = "skipped"
+    unusable = {"sidecar": {"resources": {"limits": {"memory": "1Gi"}}}}
+    create_pool(
+        cluster, ns, "llama", {"selector": {"matchLabels": {"app": "vllm"}}, "capacity": "4Gi", **unusable}
+    )
+    wait_status(cluster, ns, "llama", lambda s: condition(s, "Degraded").get("status") == "True", "Degraded")
+    ref = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "vllm-5c9d", "uid": "u", "controller": True}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "vllm-5c9d-", "labels": {"app": "vllm"}, "ownerReferences": [ref]},
+        "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+    }
+
+    def counted(n: int) -> dict[str, Any] | None:
+        found = [e for e in cluster.api.events(ns, "llama") if "ReplicaSet/vllm-5c9d" in e.get("message", "")]
+        return found[0] if len(found) == 1 and found[0].get("count") == n else None
+
+    wait_indexed(cluster, ns)
+    admitted(cluster.webhook_url, pod, ns)
+    wait_until(lambda: counted(1), 30, "the owner's event, created")
+    for _ in range(4):
+        admitted(cluster.webhook_url, pod, ns)
+    event = wait_until(lambda: counted(5), 30, "the same event counted up to 5")
+    assert event["reason"] == "PodNotInjected" and event["type"] == "Warning"
+    assert event["message"].startswith("pod vllm-5c9d- of ReplicaSet/vllm-5c9d: PoolNotUsable: ")
 
 
 def test_extra_config_is_merged_under_the_pools_own_keys_with_a_warning(cluster: Cluster) -> None:

@@ -9,8 +9,9 @@ import aiohttp
 import pytest
 from kvtest import free_port
 
-from kvpool_operator import conditions, readiness
+from kvpool_operator import conditions, pool_health, readiness
 from kvpool_operator.injection import arena_size_limit
+from kvpool_operator.pods import PodCounts
 from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
 from kvpool_operator.scaling import demand_bytes, desired_shards, drained, shards_to_publish
@@ -142,11 +143,12 @@ def test_shards_to_publish(published: int | None, desired: int, ready: int, expe
 def test_conditions_keep_transition_time_while_unchanged() -> None:
     t0 = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     t1 = t0 + datetime.timedelta(hours=1)
-    first = conditions.merge([], conditions.assess([], None), 1, t0)
-    same = conditions.merge(first, conditions.assess([], None), 2, t1)
+    fine = pool_health.assess(pool_health.Seen(True, None, PodCounts(0, 0, 0), []))
+    first = conditions.merge([], fine, 1, t0)
+    same = conditions.merge(first, fine, 2, t1)
     assert [c["lastTransitionTime"] for c in same] == [c["lastTransitionTime"] for c in first]
     assert all(c["observedGeneration"] == 2 for c in same)
-    broken = conditions.merge(same, conditions.assess(["spec.capacity is wrong"], None), 3, t1)
+    broken = conditions.merge(same, conditions.failed("InvalidSpec", ["spec.capacity is wrong"]), 3, t1)
     by_type = {c["type"]: c for c in broken}
     assert (
         by_type["Ready"]["status"] == "False"
@@ -155,15 +157,6 @@ def test_conditions_keep_transition_time_while_unchanged() -> None:
     assert (
         by_type["Degraded"]["reason"] == "InvalidSpec" and "spec.capacity" in by_type["Degraded"]["message"]
     )
-
-
-def test_shared_tier_conditions() -> None:
-    ready, degraded = conditions.assess([], (3, 0))
-    assert (ready.status, degraded.status, ready.reason) == (False, True, "SharedTierStarting")
-    ready, degraded = conditions.assess([], (3, 2))
-    assert (ready.status, degraded.status, degraded.reason) == (True, True, "ShardsNotReady")
-    ready, degraded = conditions.assess([], (3, 3))
-    assert (ready.status, degraded.status) == (True, False)
 
 
 def test_strip_ours_leaves_a_users_connector() -> None:

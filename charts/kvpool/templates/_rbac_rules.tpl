@@ -12,7 +12,8 @@
   resources: [pods]
   verbs: [list]
 # What a pool owns: the connector ConfigMap, its generated Secrets (created, never read: no get, list
-# or watch on any Secret), the shared tier's Service and StatefulSet.
+# or watch on any Secret), the shared tier's Service and StatefulSet. The webhook also gets the
+# ConfigMap a pod's vLLM --config file comes from, to see whether it sets a connector.
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [get, create, patch]
@@ -30,10 +31,11 @@
 - apiGroups: [""]
   resources: [limitranges, resourcequotas]
   verbs: [list]
-# Events for what changed and what is wrong.
+# Events for what changed and what is wrong; the webhook's PodNotInjected events are counted up in
+# place (one per pool, reason and owner), so it reads and patches its own.
 - apiGroups: [""]
   resources: [events]
-  verbs: [create]
+  verbs: [get, create, patch]
 # The owned objects' ownerReferences set blockOwnerDeletion, which the API server allows only to
 # who may update the owner's finalizers.
 - apiGroups: [kvpool.dev]

@@ -1,4 +1,4 @@
-"""The pool's `Ready` and `Degraded` conditions from what the operator knows."""
+"""The pool's `Ready` and `Degraded` conditions: their type, and how a new set merges into status."""
 
 from __future__ import annotations
 
@@ -16,29 +16,11 @@ class Condition:
     message: str
 
 
-def assess(
-    problems: list[str], tier: tuple[int, int] | None, reason: str = "InvalidSpec"
-) -> tuple[Condition, Condition]:
-    """(Ready, Degraded) from the problems (`reason`: spec problems by default) and the shared tier's
-    (desired, ready)."""
-    if problems:
-        message = "; ".join(problems)
-        return Condition("Ready", False, reason, message), Condition("Degraded", True, reason, message)
-    if tier is not None:
-        desired, ready = tier
-        if ready < 1:
-            message = f"shared Redis tier starting: 0/{desired} shards ready"
-            return (
-                Condition("Ready", False, "SharedTierStarting", message),
-                Condition("Degraded", True, "SharedTierStarting", message),
-            )
-        if ready < desired:
-            message = f"shared Redis tier: {ready}/{desired} shards ready"
-            return Condition("Ready", True, "Configured", message), Condition(
-                "Degraded", True, "ShardsNotReady", message
-            )
-    message = "connector config stored; matched pods get the cache when they are created"
-    return Condition("Ready", True, "Configured", message), Condition("Degraded", False, "Healthy", "")
+def failed(reason: str, problems: list[str]) -> tuple[Condition, Condition]:
+    """(Ready, Degraded) for a pool the operator could not set up, for `reason` (pool_health judges
+    the others)."""
+    message = "; ".join(problems)
+    return Condition("Ready", False, reason, message), Condition("Degraded", True, reason, message)
 
 
 def merge(

@@ -13,6 +13,7 @@ from kvpool_operator.pool_index import PoolIndex
 from kvpool_operator.reconcile import reconcile
 from kvpool_operator.refresh import refresh
 from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.skip_events import SkipEvents
 
 POOLS = (names.GROUP, names.VERSION, names.PLURAL)
 
@@ -25,7 +26,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     @kopf.on.startup(registry=registry)
     async def startup(memo: Any, **_: Any) -> None:
         memo.kube = kube.Kube()
-        memo.background = set()
+        memo.skip_events = SkipEvents(memo.kube)  # the webhook's PodNotInjected events, counted
         # the webhook's pools, followed by every replica whether it leads or not (kopf's watches pause)
         memo.pool_index = PoolIndex()
         memo.index_task = asyncio.create_task(memo.pool_index.run(memo.kube, settings.namespaces))

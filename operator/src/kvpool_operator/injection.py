@@ -13,13 +13,16 @@ from typing import Any
 
 from kvpool_operator import names
 from kvpool_operator.admission_fit import added_by_injection
-from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
+from kvpool_operator.config_file import ConfigMapRead, config_connector
+from kvpool_operator.connector_config import kv_transfer_config, render
+from kvpool_operator.injected_parts import digest
 from kvpool_operator.pods import opted_out
 from kvpool_operator.pool import Pool, problems
 from kvpool_operator.quantity import format_mebibytes
 from kvpool_operator.resources import guaranteed, sidecar_resources
 from kvpool_operator.selector import matches
 from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.vllm_breaker import skip as vllm_breaker_skip
 from kvpool_operator.vllm_target import Skip, strip_ours, target_container
 
 ARENA_HEADROOM_BYTES = 2**20  # beside the arena file: the control socket, page rounding
@@ -43,6 +46,7 @@ class Decision:
     pod: dict[str, Any] | None
     pools: list[Pool] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    skip: Skip | None = None  # why a claimed pod is admitted without the cache
 
 
 @dataclass(frozen=True)
@@ -59,17 +63,19 @@ def decide(
     pools: Iterable[Pool],
     settings: OperatorSettings,
     limits: NamespaceLimits | Skip | None = None,
+    config_maps: Mapping[str, ConfigMapRead] | None = None,
 ) -> Decision:
     """Which pool (if exactly one) claims this pod, and the injected pod; a pod a pool claims but
     kvpool cannot configure, or that the sidecar would push over its namespace's `limits`, is
-    admitted without the cache, annotated with the reason."""
+    admitted without the cache, annotated with the reason. `config_maps` are the ConfigMaps its vLLM
+    `--config` files come from, as the webhook read them (config_file.config_maps_to_read)."""
     if opted_out(pod):
         return Decision(None)
     labels = (pod.get("metadata") or {}).get("labels") or {}
     claiming = [p for p in pools if p.namespace == namespace and matches(p.selector, labels)]
     if not claiming:
         return Decision(None)
-    outcome = _configurable(pod, claiming)
+    outcome = _configurable(pod, claiming, config_maps or {})
     if isinstance(outcome, Skip):
         return _skip(pod, claiming, outcome)
     if isinstance(limits, Skip):  # unknown whether the pod fits with the sidecar: never risk a refusal
@@ -88,10 +94,12 @@ def _skip(pod: Mapping[str, Any], claiming: list[Pool], why: Skip) -> Decision:
     skipped = remove_injection(pod)
     annotations = skipped.setdefault("metadata", {}).setdefault("annotations", {})
     annotations[names.SKIPPED_ANNOTATION] = f"{why.reason}: {why.message}"
-    return Decision(skipped, claiming, [f"kvpool: admitted without a cache: {why.message}"])
+    return Decision(skipped, claiming, [f"kvpool: admitted without a cache: {why.message}"], why)
 
 
-def _configurable(pod: Mapping[str, Any], claiming: list[Pool]) -> int | Skip:
+def _configurable(
+    pod: Mapping[str, Any], claiming: list[Pool], config_maps: Mapping[str, ConfigMapRead]
+) -> int | Skip:
     """The vLLM container's index, or why the pod cannot get the cache without breaking it."""
     if len(claiming) > 1:
         keys = ", ".join(sorted(p.name for p in claiming))
@@ -112,9 +120,11 @@ def _configurable(pod: Mapping[str, Any], claiming: list[Pool]) -> int | Skip:
             "the pod uses the host's network: its sidecar would share the node's loopback with other pods'",
         )
     found = target_container(pod, pool.vllm_container)
-    if isinstance(found, int) and stages_connector(pod):
-        return python_path_problem(pod["spec"]["containers"][found]) or found
-    return found
+    if isinstance(found, Skip):
+        return found
+    if stages_connector(pod) and (problem := python_path_problem(pod["spec"]["containers"][found])):
+        return problem
+    return vllm_breaker_skip(pod, found, pool) or config_connector(pod, found, config_maps) or found
 
 
 def inject(
@@ -160,8 +170,9 @@ def inject(
     meta = result.setdefault("metadata", {})
     meta.setdefault("labels", {})[names.POOL_LABEL] = pool.name
     annotations = meta.setdefault("annotations", {})
-    annotations[names.CONFIG_HASH_ANNOTATION] = config_hash(config_text)
     annotations[names.STATUS_PORT_ANNOTATION] = str(pool.status_port)
+    # last: a digest of everything added above (and whatever else inject adds), to tell outdated pods
+    annotations[names.CONFIG_HASH_ANNOTATION] = digest(remove_injection(result), result)
     return result
 
 

@@ -42,7 +42,8 @@ KINDS: dict[str, Kind] = {
     "Service": Kind("api/v1", "services", frozenset({"create", "patch"})),
     "StatefulSet": Kind("apis/apps/v1", "statefulsets", frozenset({"get", "create", "patch"})),
     "Pod": Kind("api/v1", "pods", frozenset({"list"})),
-    "Event": Kind("api/v1", "events", frozenset({"create"})),
+    # events; PodNotInjected's are counted up in place (skip_events.py): read, then patched
+    "Event": Kind("api/v1", "events", frozenset({"get", "create", "patch"})),
     # the webhook: does the pod still fit its namespace's limits with the sidecar (admission_fit.py)
     "LimitRange": Kind("api/v1", "limitranges", frozenset({"list"})),
     "ResourceQuota": Kind("api/v1", "resourcequotas", frozenset({"list"})),
@@ -90,6 +91,47 @@ class ApiError(Exception):
         """Worth retrying as is: the server's errors, conflicts, throttling. Other 4xx (invalid, forbidden,
         over quota) answer the same until someone changes the pool, the quota or the RBAC."""
         return self.status >= 500 or self.status in (404, 408, 409, 429)
+
+
+MESSAGE_LIMIT = 1024  # the API server's limit on an Event's message
+
+
+def event_body(
+    involved: Mapping[str, Any],
+    type_: str,
+    reason: str,
+    message: str,
+    *,
+    name: str | None = None,
+    count: int = 1,
+    now: str | None = None,
+) -> dict[str, Any]:
+    """A core/v1 Event about `involved` (a body), named `name` (else a random name), seen `count` times."""
+    meta = involved.get("metadata", {})
+    namespace = meta.get("namespace") or "default"
+    now = now or datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": name or f"{meta.get('name', 'kvpool')}.{uuid.uuid4().hex[:12]}",
+            "namespace": namespace,
+        },
+        "involvedObject": {
+            "apiVersion": involved.get("apiVersion"),
+            "kind": involved.get("kind"),
+            "name": meta.get("name"),
+            "namespace": namespace,
+            "uid": meta.get("uid"),
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:MESSAGE_LIMIT],
+        "source": {"component": "kvpool-operator"},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": count,
+    }
 
 
 def login(**_: Any) -> kopf.ConnectionInfo:
@@ -187,32 +229,8 @@ class Kube:
 
     async def event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event about `involved` (a body); failures are logged by the caller, never fatal."""
-        meta = involved.get("metadata", {})
-        namespace = meta.get("namespace") or "default"
-        now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {
-                "name": f"{meta.get('name', 'kvpool')}.{uuid.uuid4().hex[:12]}",
-                "namespace": namespace,
-            },
-            "involvedObject": {
-                "apiVersion": involved.get("apiVersion"),
-                "kind": involved.get("kind"),
-                "name": meta.get("name"),
-                "namespace": namespace,
-                "uid": meta.get("uid"),
-            },
-            "type": type_,
-            "reason": reason,
-            "message": message[:1024],
-            "source": {"component": "kvpool-operator"},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        await self.create("Event", namespace, body)
+        body = event_body(involved, type_, reason, message)
+        await self.create("Event", body["metadata"]["namespace"], body)
 
     # --- transport --------------------------------------------------------------------------------
 

@@ -11,9 +11,12 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # pods
 INJECT_ANNOTATION = "kvpool.dev/inject"  # "false" opts a pod out
 POOL_LABEL = "kvpool.dev/pool"  # on injected pods: the pool's name
-CONFIG_HASH_ANNOTATION = "kvpool.dev/config-hash"  # on injected pods: which connector config they run
+CONFIG_HASH_ANNOTATION = "kvpool.dev/config-hash"  # on injected pods: a digest of all kvpool added
 STATUS_PORT_ANNOTATION = "kvpool.dev/status-port"  # on injected pods: where the operator reads /stats
 SKIPPED_ANNOTATION = "kvpool.dev/skipped"  # on pods a pool selects but kvpool cannot configure: "Reason: why"
+# "true" on a pod whose vLLM --config file kvpool cannot read (not from a ConfigMap): the user vouches
+# that it sets no --kv-transfer-config, so kvpool's flag may be added
+CONFIG_HAS_NO_CONNECTOR_ANNOTATION = "kvpool.dev/config-has-no-connector"
 SIDECAR_CONTAINER = "kvpool-sidecar"
 ARENA_VOLUME = "kvpool-arena"
 ARENA_DIR = "/var/run/kvpool"

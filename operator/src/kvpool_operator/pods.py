@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,10 +17,14 @@ from kvpool_operator import names
 class PodCounts:
     matched: int  # selected by the pool and not opted out
     ready: int  # injected by this pool and Ready
-    outdated: int  # matched, not skipped, but not running the pool's current connector config
+    outdated: int  # matched, not skipped, but not carrying what the pool would inject now
     injected: int = 0  # carrying this pool's cache
     skipped: int = 0  # admitted without the cache, for a reason each pod's annotation gives
     skip_reasons: dict[str, int] = field(default_factory=dict)
+    # matched pods the webhook never saw (neither injected nor skipped), by name: their namespace is not
+    # labelled for injection, or they were created while the webhook was down
+    unseen: list[str] = field(default_factory=list)
+    skipped_example: str = ""  # one skipped pod and its annotation, for messages
 
 
 def opted_out(pod: Mapping[str, Any]) -> bool:
@@ -79,25 +83,37 @@ def is_ready(pod: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def count(pods: Iterable[Mapping[str, Any]], pool_name: str, current_hash: str) -> PodCounts:
+def count(
+    pods: Iterable[Mapping[str, Any]], pool_name: str, outdated: Callable[[Mapping[str, Any]], bool]
+) -> PodCounts:
+    """The pool's pod counts; `outdated` tells whether an injected pod differs from what the pool would
+    inject now (a pod the webhook never saw counts outdated too: a restart may bring it the cache)."""
     live = [p for p in pods if not opted_out(p) and not p.get("metadata", {}).get("deletionTimestamp")]
     injected = [p for p in live if injected_by(p, pool_name)]
     ready = [p for p in injected if is_ready(p)]
     skipped = {i: r for i, p in enumerate(live) if (r := skip_reason(p)) is not None}
     reasons = Counter(skipped.values())
-    outdated = [
+    unseen = [
         p
         for i, p in enumerate(live)
-        if i not in skipped
-        and (p["metadata"].get("annotations") or {}).get(names.CONFIG_HASH_ANNOTATION) != current_hash
+        if i not in skipped and names.CONFIG_HASH_ANNOTATION not in (p["metadata"].get("annotations") or {})
     ]
+    stale = [p for i, p in enumerate(live) if i not in skipped and p not in unseen and outdated(p)]
+    example = next((live[i] for i in skipped), None)
     return PodCounts(
         matched=len(live),
         ready=len(ready),
-        outdated=len(outdated),
+        outdated=len(stale) + len(unseen),
         injected=len(injected),
         skipped=len(skipped),
         skip_reasons=dict(sorted(reasons.items())),
+        unseen=sorted(str(p["metadata"].get("name")) for p in unseen),
+        skipped_example=(
+            f"pod {example['metadata'].get('name')}: "
+            f"{example['metadata']['annotations'][names.SKIPPED_ANNOTATION]}"
+            if example is not None
+            else ""
+        ),
     )
 
 
@@ -113,8 +129,8 @@ def stats_url(pod: Mapping[str, Any]) -> str | None:
     return f"http://{ip}:{port}/stats" if ip and port else None
 
 
-async def scrape(urls: Iterable[str], timeout: float) -> list[dict[str, Any]]:
-    """The /stats of each sidecar that answers in time; the others are left out (a cache may be down)."""
+async def scrape(urls: Iterable[str], timeout: float) -> list[dict[str, Any] | None]:
+    """The /stats of each sidecar, in the order of `urls`; None for one that did not answer in time."""
 
     async def one(session: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
         try:
@@ -125,7 +141,7 @@ async def scrape(urls: Iterable[str], timeout: float) -> list[dict[str, Any]]:
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         found = await asyncio.gather(*(one(session, u) for u in urls))
-    return [s for s in found if isinstance(s, dict)]
+    return [s if isinstance(s, dict) else None for s in found]
 
 
 def aggregate(stats: list[dict[str, Any]]) -> dict[str, Any]:

@@ -62,6 +62,7 @@ class Pool:
     vllm_container: str | None = None
     uid: str | None = None  # the pool object's uid, for events about it
     sidecar_not_starting: str | None = None  # from status: why its pods' sidecars do not start
+    vllm_failing: Mapping[str, str] = field(default_factory=dict)  # from status: vLLM image -> why it fails
 
     @property
     def key(self) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pods import not_starting
 from kvpool_operator.pool import Pool, parse_pool
+from kvpool_operator.vllm_breaker import blocked_images
 
 RETRY_DELAY = 2.0  # seconds before a failed list or watch is tried again
 log = logging.getLogger("kvpool.index")
@@ -75,7 +76,9 @@ class PoolIndex:
             return  # BOOKMARK
         try:
             pool = parse_pool(namespace, name, obj.get("spec") or {}, meta.get("uid"))
-            pools[name] = dataclasses.replace(pool, sidecar_not_starting=not_starting(obj))
+            pools[name] = dataclasses.replace(
+                pool, sidecar_not_starting=not_starting(obj), vllm_failing=blocked_images(obj)
+            )
         except ValueError as e:
             pools.pop(name, None)
             log.warning("pool %s/%s not usable: %s", namespace, name, e)

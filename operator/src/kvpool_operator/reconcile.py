@@ -8,9 +8,10 @@ from typing import Any
 
 import kopf
 
-from kvpool_operator import conditions, events, names, objects
+from kvpool_operator import conditions, events, names, objects, pods
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
 from kvpool_operator.kube import ApiError, Kube
+from kvpool_operator.outdated import outdated
 from kvpool_operator.pool import Pool, parse_pool, problems
 from kvpool_operator.scaling import clamp, shards_to_publish
 
@@ -58,7 +59,7 @@ async def reconcile(
     async def give_up(reason: str, problems: list[str]) -> None:
         """Degraded until the pool changes: retrying would get the same answer (kopf retries nothing
         after a handler returns)."""
-        ready, degraded = conditions.assess(problems, None, reason)
+        ready, degraded = conditions.failed(reason, problems)
         patch.status["conditions"] = conditions.merge(
             status.get("conditions") or [], [ready, degraded], generation, now
         )
@@ -71,41 +72,46 @@ async def reconcile(
     config, warnings = kv_transfer_config(pool)
     text = render(config)
     owner = objects.owner_reference(body)
-    tier: tuple[int, int] | None = None
     try:
         urls: list[str] | None = None
         if pool.redis is not None:
             await kube.create_once("Secret", namespace, objects.pool_key_secret(pool, owner))
         if pool.shared_tier:
-            urls, tier = await _shared_tier(kube, pool, owner)
+            urls = await _shared_tier(kube, pool, owner)
         elif pool.redis is not None:
             urls = [pool.redis.url or ""]  # its password Secret is the user's: never read, only referenced
         await kube.ensure("ConfigMap", namespace, objects.config_map(pool, owner, text, urls))
+        changed = status.get("observedGeneration") != generation or status.get("connectorConfig") != text
+        found = await kube.list_pods(namespace, pool.selector) if changed else []
     except ApiError as e:
         if e.transient:
             raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
-        await give_up("Refused", [f"the API server refused a call ({e}); tried again when the pool changes"])
+        message = f"the API server refused a call ({e}); tried again when the pool changes"
+        # kept until a reconcile succeeds: refresh, which judges the rest, never clears it
+        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        patch.status["refused"] = {"message": message, "observedGeneration": generation, "time": stamp}
+        await give_up("Refused", [message])
         return
 
-    ready, degraded = conditions.assess([], tier)
+    # Ready and Degraded are refresh's (pool_health): a reconcile alone does not show the pool serves
+    patch.status["refused"] = None
     patch.status["connectorConfig"] = text
-    patch.status["conditions"] = conditions.merge(
-        status.get("conditions") or [], [ready, degraded], generation, now
-    )
     for warning in warnings:
         await events.post(kube, pool, "Warning", "ExtraConfigOverridden", warning)
-    if status.get("connectorConfig") != text:
+    if changed:
+        counts = pods.count(found, name, lambda p: outdated(p, pool, memo.settings))
         await events.post(
             kube,
             pool,
             "Normal",
             "ConfigUpdated",
-            f"connector config {config_hash(text)} stored in ConfigMap {names.config_map_name(name)}; "
-            "running pods keep their config until they are replaced",
+            f"pool generation {generation}: connector config {config_hash(text)} stored in ConfigMap "
+            f"{names.config_map_name(name)}; {counts.outdated} of {counts.matched} running pod(s) are "
+            "outdated and keep what they were given until they are replaced",
         )
 
 
-async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> tuple[list[str], tuple[int, int]]:
+async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> list[str]:
     ns, name = pool.namespace, names.redis_name(pool.name)
     await kube.create_once("Secret", ns, objects.password_secret(pool, owner))
     await kube.ensure("Service", ns, objects.redis_service(pool, owner))
@@ -123,4 +129,4 @@ async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> tupl
     sts = await kube.ensure("StatefulSet", ns, objects.redis_statefulset(pool, owner, replicas))
     ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
     count = shards_to_publish(published, desired, ready)
-    return objects.shard_urls(pool, count), (desired, ready)
+    return objects.shard_urls(pool, count)

@@ -9,11 +9,11 @@ from typing import Any
 
 import kopf
 
-from kvpool_operator import conditions, events, names, objects, pods
-from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
+from kvpool_operator import conditions, events, names, objects, pods, pool_health, vllm_breaker
 from kvpool_operator.injection import sidecar_image
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.objects import shard_maxmemory
+from kvpool_operator.outdated import outdated
 from kvpool_operator.pool import Pool, parse_pool, problems
 from kvpool_operator.reconcile import RETRY_DELAY, publish
 from kvpool_operator.scaling import demand_bytes, desired_shards, drained, shards_to_publish
@@ -40,14 +40,15 @@ async def refresh(
     if problems(pool):
         return
     now = datetime.datetime.now(datetime.UTC)
-    current = config_hash(render(kv_transfer_config(pool)[0]))
+    generation = meta.get("generation")
     try:
         found = await kube.list_pods(namespace, pool.selector)
-        counts = pods.count(found, name, current)
+        counts = pods.count(found, name, lambda p: outdated(p, pool, settings))
         urls = [
             u for p in found if pods.injected_by(p, name) and pods.is_ready(p) and (u := pods.stats_url(p))
         ]
-        scraped = await pods.scrape(urls, settings.scrape_timeout)
+        each = await pods.scrape(urls, settings.scrape_timeout)
+        scraped = [s for s in each if s is not None]
         stats = pods.aggregate(scraped)
         tier: tuple[int, int] | None = None
         shared: dict[str, Any] | None = None
@@ -57,15 +58,20 @@ async def refresh(
     except ApiError as e:
         raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
 
-    ready, degraded = conditions.assess([], tier)
     image = sidecar_image(pool, settings)
-    breaker = await sidecar_breaker(kube, pool, image, found, status, meta.get("generation"))
-    if breaker is not None:
-        message = (
-            f"the sidecar does not start in {breaker['pods']} pod(s) ({breaker['reason']}): new pods "
-            "start without it until the pool changes"
-        )
-        degraded = conditions.Condition("Degraded", True, "SidecarNotStarting", message)
+    breaker = await sidecar_breaker(kube, pool, image, found, status, generation)
+    reset = (meta.get("annotations") or {}).get(vllm_breaker.RESET_ANNOTATION, "")
+    failing = await vllm_breaker.update(kube, pool, found, status.get("vllmFailing"), reset, now)
+    seen = pool_health.Seen(
+        reconciled=status.get("observedGeneration") == generation and bool(status.get("connectorConfig")),
+        refused=(status.get("refused") or {}).get("message"),
+        counts=counts,
+        sidecars=each,
+        tier=tier,
+        sidecar_breaker=breaker,
+        vllm_breaker=failing,
+    )
+    ready, degraded = pool_health.assess(seen)
     found_status = {
         "matchedPods": counts.matched,
         "readyPods": counts.ready,
@@ -75,9 +81,8 @@ async def refresh(
         "skipReasons": counts.skip_reasons,
         "stats": stats,
         "sidecarNotStarting": breaker,
-        "conditions": conditions.merge(
-            status.get("conditions") or [], [ready, degraded], meta.get("generation"), now
-        ),
+        "vllmFailing": failing,
+        "conditions": conditions.merge(status.get("conditions") or [], [ready, degraded], generation, now),
     }
     if shared is not None:
         found_status["sharedTier"] = shared

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,9 @@ SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "ksh", "busybox"})
 FLAG_SPELLINGS = (KV_TRANSFER_FLAG, "--kv_transfer_config")  # vLLM's parser takes either
 OUR_CONNECTOR = ("KVPoolConnector", "kvpool_connector")  # (kv_connector, kv_connector_module_path)
 _RUNS_VLLM = re.compile(r"(^|[\s/'\"])vllm($|[\s'\"])|vllm\.entrypoints")
+_KV_TRANSFER = re.compile(r"kv[-_]transfer[-_]config", re.IGNORECASE)  # in a script, any spelling
+# the shortest prefix of the option's name argparse's abbreviations take for it (--kv-transfer works)
+_SHORTEST_ABBREVIATION = "kv-t"
 
 
 @dataclass(frozen=True)
@@ -80,36 +84,102 @@ def runs_vllm(container: Mapping[str, Any]) -> bool:
 def shell_passes_arguments(container: Mapping[str, Any]) -> bool:
     """True unless the container runs `sh -c SCRIPT` where an appended flag would not reach vLLM: the
     script must use "$@", and something must fill $0 before the flag (else the flag becomes $0)."""
-    argv = [str(a) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+    argv = _argv(container)
     if not argv or argv[0].rsplit("/", 1)[-1] not in SHELLS:
         return True
-    options = next((i for i, a in enumerate(argv[1:], 1) if not a.startswith("-") or "c" in a[1:]), None)
+    options = _shell_options(argv)
     if options is None or not argv[options].startswith("-"):
         return False  # a script file: what it does with its arguments cannot be seen
     script = argv[options + 1] if options + 1 < len(argv) else ""
     return "$@" in script and len(argv) > options + 2
 
 
+def shell_script(container: Mapping[str, Any]) -> str | None:
+    """The text of a `sh -c SCRIPT` the container runs; None when it runs no shell script inline."""
+    argv = _argv(container)
+    if not argv or argv[0].rsplit("/", 1)[-1] not in SHELLS:
+        return None
+    options = _shell_options(argv)
+    if options is None or not argv[options].startswith("-") or options + 1 >= len(argv):
+        return None
+    return argv[options + 1]
+
+
+def _shell_options(argv: list[str]) -> int | None:
+    """The index of the shell's option word holding -c, else of its first operand (a script file)."""
+    return next((i for i, a in enumerate(argv[1:], 1) if not a.startswith("-") or "c" in a[1:]), None)
+
+
+def _argv(container: Mapping[str, Any]) -> list[str]:
+    return [str(a) for a in [*(container.get("command") or []), *(container.get("args") or [])]]
+
+
 def users_connector(container: Mapping[str, Any]) -> str | None:
-    """The connector a `--kv-transfer-config` already in the container names, unless it is kvpool's
-    own (a pod injected before: re-injection replaces it)."""
-    argv = [*(container.get("command") or []), *(container.get("args") or [])]
-    for value in flag_values(argv):
+    """How the container already sets a connector of its own, or None. kvpool's own (a pod injected
+    before: re-injection replaces it) is no user's. Seen in every shape vLLM reads from argv: the flag
+    with a value (`=value` or the next word; dashes or underscores, or an abbreviation argparse takes),
+    the dotted form (`--kv-transfer-config.kv_connector X`: vLLM merges these into one value appended
+    after the others, so it would win over kvpool's), and a shell script's text that mentions it."""
+    script = shell_script(container)
+    if script is not None and _KV_TRANSFER.search(script):
+        return "in its shell script"
+    argv = _argv(container)
+    for i, arg in enumerate(argv):
+        option = _kv_transfer_option(arg)
+        if option is None:
+            continue
+        name, dotted, value = option
+        if dotted:
+            return f"as {name} (vLLM's dotted form)"
+        if value is None:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
         named = _named_connector(value)
         if named != OUR_CONNECTOR:
             return f"kv_connector {named[0]!r}" if named else "a value that is not a JSON object"
     return None
 
 
-def flag_values(argv: Sequence[Any]) -> list[str]:
-    values = []
-    for i, arg in enumerate(str(a) for a in argv):
-        for flag in FLAG_SPELLINGS:
-            if arg == flag:
-                values.append(str(argv[i + 1]) if i + 1 < len(argv) else "")
-            elif arg.startswith(flag + "="):
-                values.append(arg[len(flag) + 1 :])
-    return values
+def _kv_transfer_option(arg: str) -> tuple[str, bool, str | None] | None:
+    """(the option as written, whether it is dotted, its `=value` if any) when `arg` is an option vLLM
+    reads as --kv-transfer-config."""
+    name, eq, value = arg.partition("=")
+    if not names_kv_transfer(name):
+        return None
+    return name, "." in name, value if eq else None
+
+
+def names_kv_transfer(option: str) -> bool:
+    """Whether vLLM reads `option` (`--name` or `--name.field`, no value) as --kv-transfer-config: it
+    turns underscores into dashes before the first dot, and argparse takes any unambiguous prefix of a
+    long option."""
+    if not option.startswith("--"):
+        return False
+    normal = option[2:].partition(".")[0].replace("_", "-").lower()
+    return len(normal) >= len(_SHORTEST_ABBREVIATION) and KV_TRANSFER_FLAG[2:].startswith(normal)
+
+
+def config_paths(container: Mapping[str, Any]) -> list[str]:
+    """The files vLLM reads options from (`--config FILE` or `--config=FILE`), in argv or in the words
+    of its shell script (a script that cannot be split is read word by word)."""
+    paths = _config_arguments(_argv(container))
+    script = shell_script(container)
+    if script is not None:
+        try:
+            words = shlex.split(script)
+        except ValueError:
+            words = script.split()
+        paths += _config_arguments(words)
+    return paths
+
+
+def _config_arguments(argv: Sequence[str]) -> list[str]:
+    paths = []
+    for i, arg in enumerate(argv):
+        if arg == "--config":
+            paths.append(argv[i + 1] if i + 1 < len(argv) else "")
+        elif arg.startswith("--config="):
+            paths.append(arg.removeprefix("--config="))
+    return paths
 
 
 def strip_ours(argv: list[Any]) -> list[Any]:

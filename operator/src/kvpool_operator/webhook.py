@@ -11,9 +11,10 @@ import copy
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import aiohttp
 import kopf
 
-from kvpool_operator import events
+from kvpool_operator.config_file import ConfigMapRead, Unreadable, config_maps_to_read
 from kvpool_operator.injection import NamespaceLimits, decide
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pool import Pool
@@ -48,8 +49,14 @@ async def inject(
     pod = copy.deepcopy(dict(body))
     namespace = (pod.get("metadata") or {}).get("namespace") or ""
     pools = list(pools)
-    limits = await namespace_limits(memo.kube, namespace) if pools else None
-    decision = decide(pod, namespace, pools, memo.settings, limits)
+    limits, config_maps = (
+        await asyncio.gather(
+            namespace_limits(memo.kube, namespace), read_config_maps(memo.kube, namespace, pod)
+        )
+        if pools
+        else (None, {})
+    )
+    decision = decide(pod, namespace, pools, memo.settings, limits, config_maps)
     warnings.extend(decision.warnings)
     if decision.pod is not None:
         new = decision.pod
@@ -59,9 +66,9 @@ async def inject(
             raw.update(copy.deepcopy(new))
 
         patch.fns.append(replace)
-    if decision.warnings and not dryrun:
-        for pool in decision.pools:
-            _background(memo, events.post(memo.kube, pool, "Warning", "PodNotInjected", decision.warnings[0]))
+    if decision.skip is not None and not dryrun:
+        for pool in decision.pools:  # counted per (pool, reason, owner), written after the answer
+            memo.skip_events.record(pool, decision.skip, pod)
 
 
 async def namespace_limits(kube: Kube, namespace: str) -> NamespaceLimits | Skip:
@@ -76,8 +83,16 @@ async def namespace_limits(kube: Kube, namespace: str) -> NamespaceLimits | Skip
     return NamespaceLimits(ranges, quotas)
 
 
-def _background(memo: Any, coro: Any) -> None:
-    """Events are posted after the answer: the API server waits on the webhook, not on events."""
-    task = asyncio.get_running_loop().create_task(coro)
-    memo.background.add(task)
-    task.add_done_callback(memo.background.discard)
+async def read_config_maps(kube: Kube, namespace: str, pod: Any) -> dict[str, ConfigMapRead]:
+    """The ConfigMaps the pod's vLLM `--config` files come from (usually none: no API call), each
+    read, or why it could not be (decide() then skips the pod with that reason)."""
+
+    async def read(name: str) -> ConfigMapRead:
+        try:
+            found = await kube.get("ConfigMap", namespace, name)
+        except (ApiError, OSError, TimeoutError, aiohttp.ClientError) as e:
+            return Unreadable(f"reading it failed: {e}")
+        return found if found is not None else Unreadable(f"no ConfigMap {name} in namespace {namespace}")
+
+    wanted = sorted(config_maps_to_read(pod))
+    return dict(zip(wanted, await asyncio.gather(*map(read, wanted)), strict=True))
