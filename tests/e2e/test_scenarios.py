@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 import pytest
+import yaml
 from clusterkit import (
     HERE,
     NAMESPACE,
@@ -36,6 +37,8 @@ from podchecks import assert_injected
 pytestmark = pytest.mark.e2e
 
 STATUS_PORT = 7071  # the pools' default sidecar port 7070 + 1
+# the node has 2 CPUs for every scenario's pods and the vLLM ones (test_vllm.py) after them
+SMALL_SIDECAR = {"requests": {"cpu": "20m"}}
 RESTRICTED = "kvpool-e2e-restricted"
 
 
@@ -47,19 +50,22 @@ def pool(name: str, namespace: str, selector: str, **spec: Any) -> dict[str, Any
     return {"apiVersion": "kvpool.dev/v1alpha1", "kind": "KVCachePool",
             "metadata": {"name": name, "namespace": namespace},
             "spec": {"selector": {"matchLabels": {"app": selector}}, "capacity": "64Mi", "chunkSize": 32,
-                     "vllmContainer": "vllm", **spec}}  # fmt: skip
+                     "vllmContainer": "vllm", "sidecar": {"resources": SMALL_SIDECAR}, **spec}}  # fmt: skip
 
 
-def workload(cluster: Cluster, name: str, namespace: str, replicas: int = 2) -> None:
-    """The stand-in Deployment (manifests/workload.yaml) and the ConfigMap holding its script."""
+def workload(cluster: Cluster, name: str, namespace: str, replicas: int = 2, **env: str) -> None:
+    """The stand-in Deployment (manifests/workload.yaml) and the ConfigMap holding its script; `env`
+    goes to the stand-in."""
     script = HERE / "manifests" / "vllm_standin.py"
     apply(kubectl("-n", namespace, "create", "configmap", "vllm-standin", f"--from-file={script}",
                   "--dry-run=client", "-o", "json"))  # fmt: skip
     text = (
         (HERE / "manifests" / "workload.yaml").read_text().replace("SIDECAR_IMAGE", cluster.images["sidecar"])
     )
-    text = text.replace("NAME", name).replace("replicas: 2", f"replicas: {replicas}")
-    kubectl("-n", namespace, "apply", "-f", "-", stdin=text)
+    deployment = yaml.safe_load(text.replace("NAME", name).replace("replicas: 2", f"replicas: {replicas}"))
+    (standin,) = deployment["spec"]["template"]["spec"]["containers"]
+    standin["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    kubectl("-n", namespace, "apply", "-f", "-", stdin=json.dumps(deployment))
 
 
 def rolled_out(name: str, namespace: str) -> None:
@@ -193,6 +199,46 @@ def test_a_restricted_namespace_runs_injected_pods(cluster: Cluster) -> None:
     assert_injected(p, kubectl_json("-n", RESTRICTED, "get", "kvp", "cpu"), "vllm")
     seen = report(p["metadata"]["name"], RESTRICTED)
     assert seen["arena_files"] and all(seen["arena_rw"].values()), seen
+
+
+def test_a_vllm_that_fails_once_injected_opens_the_breaker_and_new_pods_run_without_the_cache(
+    cluster: Cluster,
+) -> None:
+    """A vLLM that cannot run with kvpool's flag (the stand-in told to exit on it): the kubelet's crash
+    loop opens the pool's vLLM breaker for that image, the pool says why, and the next pod of the same
+    image is admitted untouched and runs."""
+    apply(pool("breaker", NAMESPACE, "work-breaker"))
+    wait_until(lambda: condition("breaker", "Ready") is not None, 60, "the breaker pool's first status")
+    workload(cluster, "work-breaker", NAMESPACE, replicas=1, STANDIN_EXIT_ON_KVPOOL="1")
+    image = cluster.images["sidecar"]  # the stand-in's image
+
+    def opened_images() -> list[dict[str, Any]] | None:
+        status = kubectl_json("-n", NAMESPACE, "get", "kvp", "breaker").get("status", {})
+        return (status.get("vllmFailing") or {}).get("images")
+
+    failing = wait_until(opened_images, 180, "the kubelet's crash loop to open the vLLM breaker")
+    (opened,) = failing
+    assert opened["image"] == image and opened["reason"].startswith("CrashLoopBackOff, exit code 3"), opened
+    status = kubectl_json("-n", NAMESPACE, "get", "kvp", "breaker")["status"]
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "VLLMFailing", ready
+    events = kubectl_json("-n", NAMESPACE, "get", "events", "--field-selector", "reason=VLLMFailing")["items"]
+    assert any(opened["pod"] in e["message"] and image in e["message"] for e in events), events
+
+    kubectl("-n", NAMESPACE, "scale", "deployment", "work-breaker", "--replicas=2")
+
+    def untouched_and_running() -> dict[str, Any] | None:
+        for p in pods("app=work-breaker", NAMESPACE):
+            skipped = (p["metadata"].get("annotations") or {}).get("kvpool.dev/skipped", "")
+            statuses = container_statuses(p)
+            if skipped.startswith("VLLMFailing: ") and statuses and all(s.get("ready") for s in statuses):
+                return p
+        return None
+
+    new = wait_until(untouched_and_running, 120, "a new pod of the image admitted without the cache, running")
+    assert [c["name"] for c in new["spec"]["containers"]] == ["vllm"] and "initContainers" not in new["spec"]
+    assert container_status(new, "vllm")["restartCount"] == 0
+    kubectl("-n", NAMESPACE, "delete", "deployment", "work-breaker", "--wait=false")
 
 
 def test_uninstall_leaves_nothing(cluster: Cluster) -> None:

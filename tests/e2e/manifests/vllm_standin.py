@@ -24,6 +24,8 @@ def kv_transfer_config() -> dict:
 
 
 CONFIG = kv_transfer_config()
+if CONFIG and os.environ.get("STANDIN_EXIT_ON_KVPOOL") == "1":
+    sys.exit(3)  # a vLLM that cannot run with kvpool's connector, whatever the reason
 CONNECTOR = importlib.import_module(CONFIG["kv_connector_module_path"]) if CONFIG else None
 
 
