@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # The test suite: lint and type checks, the newest vLLM's scheduler tests in their own environment, then everything
-# else, the e2e scenarios on the real node included, but the vLLM scenarios that need kind (marker kind: Docker
-# and kind, `make e2e-kind`) and the GPU tests (marker gpu).
+# else, the e2e scenarios on the real node (vLLM pods included) too, but the GPU tests (marker gpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv/bin/mypy  # the sidecar and the connector (pyproject.toml [tool.mypy])
 .venv-vllm-latest/bin/python -m pytest -m vllm_latest -p no:cacheprovider "$@"
-.venv/bin/python -m pytest -m "not vllm_latest and not kind and not gpu" "$@"
+.venv/bin/python -m pytest -m "not vllm_latest and not gpu" "$@"

@@ -2,7 +2,7 @@
 # The e2e suite on kind (`make e2e-kind`): the scenarios `make test` runs on the real node, plus
 # the vLLM scenarios. Creates a kind cluster (or reuses KVPOOL_E2E_CLUSTER), builds
 # and loads kvpool's images, installs the chart, runs a shared-Redis pool under a two-replica vLLM CPU
-# Deployment and checks what tests/e2e/test_kind.py says. Needs Docker and kind; helm and kubectl
+# Deployment and checks what tests/e2e/test_vllm.py says. Needs Docker and kind; helm and kubectl
 # come from scripts/get-helm.sh. Building the CPU vLLM image needs TORCH_INDEX_URL (an index with
 # torch==2.13.0+cpu), or give a ready CPU vLLM image as KVPOOL_E2E_VLLM_IMAGE.
 # KVPOOL_E2E_KEEP=1 keeps the cluster afterwards. Extra arguments go to pytest.
@@ -11,4 +11,4 @@ cd "$(dirname "$0")/../.."
 bash scripts/get-helm.sh
 export PATH="$PWD/.tools/bin:$PATH"
 # The first run builds a vLLM image: far longer than the unit suite's per-test timeout.
-KVPOOL_E2E_ON=kind exec .venv/bin/python -m pytest -p no:cacheprovider -m "e2e or kind" -rs -v --timeout 5400 tests/e2e "$@"
+KVPOOL_E2E_ON=kind exec .venv/bin/python -m pytest -p no:cacheprovider -m e2e -rs -v --timeout 5400 tests/e2e "$@"

@@ -133,13 +133,20 @@ def test_vllm_answers_the_same_through_a_killed_sidecar(cluster: Cluster, vllm_w
 
 
 def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(vllm_workload: str) -> None:
+    seen: list[dict[str, Any]] = []
+
     def status() -> dict[str, Any] | None:
         s = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared").get("status", {})
-        return s if s.get("readyPods") == 2 and float(s.get("stats", {}).get("hitRate") or 0) > 0 else None
+        seen[:] = [s]
+        ready = {c["type"]: c for c in s.get("conditions", [])}.get("Ready", {})
+        counted = s.get("readyPods") == 2 and float(s.get("stats", {}).get("hitRate") or 0) > 0
+        return s if counted and ready.get("status") == "True" else None
 
-    s = wait_until(status, 120, "the pool's status to show two ready pods and a hit rate")
+    try:  # after the sidecar's restart the pool serves again once its /stats answers
+        s = wait_until(status, 120, "the pool Ready, with two ready pods and a hit rate")
+    except TimeoutError:
+        raise AssertionError(f"last status: {seen}") from None
     assert s["matchedPods"] == 2
-    assert {c["type"]: c["status"] for c in s["conditions"]}["Ready"] == "True"
     table = kubectl("-n", NAMESPACE, "get", "kvp")
     header, row = table.splitlines()[:2]
     for column in ("BACKEND", "CAPACITY", "PODS", "READY", "HIT RATE"):
