@@ -216,12 +216,15 @@ def test_kubectl_get_shows_the_printer_columns_with_values(cp: ControlPlane) -> 
     doc = pool(capacity="2Gi")
     doc["metadata"]["name"] = "columns"
     cp.kubectl("apply", "-f", "-", stdin=json.dumps(doc))
-    status = {"status": {"matchedPods": 3, "readyPods": 2, "stats": {"hitRate": 0.75}}}
+    ready = {"type": "Ready", "status": "False", "reason": "PodsNotReady", "message": "",
+             "lastTransitionTime": "2026-11-25T00:00:00Z"}  # fmt: skip
+    status = {"status": {"matchedPods": 3, "readyPods": 2, "stats": {"hitRate": 0.75}, "conditions": [ready]}}
     cp.kubectl("-n", NAMESPACE, "patch", "kvp", "columns", "--subresource=status", "--type=merge",
                "-p", json.dumps(status))  # fmt: skip
     header, row = cp.kubectl("-n", NAMESPACE, "get", "kvp", "columns").splitlines()
-    assert header.split() == ["NAME", "BACKEND", "CAPACITY", "PODS", "READY", "HIT", "RATE", "AGE"]
-    assert row.split()[:6] == ["columns", "cpu", "2Gi", "3", "2", "0.75"]
+    assert header.split() == ["NAME", "BACKEND", "CAPACITY", "READY", "REASON", "PODS", "READY-PODS", "HIT",
+                              "RATE", "AGE"]  # fmt: skip
+    assert row.split()[:8] == ["columns", "cpu", "2Gi", "False", "PodsNotReady", "3", "2", "0.75"]
 
 
 @pytest.mark.parametrize(
