@@ -146,8 +146,12 @@ def test_the_shared_redis_tier_runs_as_real_redis_pods_reached_by_name(cluster: 
     workload(cluster, "work-redis", NAMESPACE, replicas=1)
     rolled_out("work-redis", NAMESPACE)
     (p,) = ready_pods("app=work-redis", 1, NAMESPACE)
-    shard = kubectl_json("-n", NAMESPACE, "get", "statefulset", "shared-kvpool-redis")
-    assert shard["status"].get("readyReplicas") == 1
+
+    def shard_ready() -> bool:  # it starts beside the workload: a pod never waits for its cache
+        shard = kubectl_json("-n", NAMESPACE, "get", "statefulset", "shared-kvpool-redis")
+        return shard["status"].get("readyReplicas") == 1
+
+    wait_until(shard_ready, 120, "the shared tier's one shard to be ready")
     with port_forward(p["metadata"]["name"], STATUS_PORT) as url:
         # the sidecar found the shard through its Service's DNS name (CoreDNS on the node)
         tier = wait_until(lambda: (t := get_json(url + "/stats")["tiers"]["redis"])["ready"] and t, 120,

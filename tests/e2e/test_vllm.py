@@ -147,7 +147,7 @@ def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(vllm_workload: str) -> 
     except TimeoutError:
         raise AssertionError(f"last status: {seen}") from None
     assert s["matchedPods"] == 2
-    table = kubectl("-n", NAMESPACE, "get", "kvp")
+    table = kubectl("-n", NAMESPACE, "get", "kvp", "shared")  # the scenarios' pools share the namespace
     header, row = table.splitlines()[:2]
     for column in ("BACKEND", "CAPACITY", "PODS", "READY", "HIT RATE"):
         assert column in header
