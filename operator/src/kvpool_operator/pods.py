@@ -93,12 +93,12 @@ def count(
     ready = [p for p in injected if is_ready(p)]
     skipped = {i: r for i, p in enumerate(live) if (r := skip_reason(p)) is not None}
     reasons = Counter(skipped.values())
-    unseen = [
-        p
+    unseen = {
+        i
         for i, p in enumerate(live)
         if i not in skipped and names.CONFIG_HASH_ANNOTATION not in (p["metadata"].get("annotations") or {})
-    ]
-    stale = [p for i, p in enumerate(live) if i not in skipped and p not in unseen and outdated(p)]
+    }
+    stale = [p for i, p in enumerate(live) if i not in skipped and i not in unseen and outdated(p)]
     example = next((live[i] for i in skipped), None)
     return PodCounts(
         matched=len(live),
@@ -107,7 +107,7 @@ def count(
         injected=len(injected),
         skipped=len(skipped),
         skip_reasons=dict(sorted(reasons.items())),
-        unseen=sorted(str(p["metadata"].get("name")) for p in unseen),
+        unseen=sorted(str(live[i]["metadata"].get("name")) for i in unseen),
         skipped_example=(
             f"pod {example['metadata'].get('name')}: "
             f"{example['metadata']['annotations'][names.SKIPPED_ANNOTATION]}"
