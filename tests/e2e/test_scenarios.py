@@ -100,10 +100,15 @@ def test_the_operator_runs_from_its_image_with_two_replicas(cluster: Cluster) ->
     assert deployment["status"].get("readyReplicas") == 2
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == cluster.images["operator"]
+    # the API server reaches the webhook through its Service; the EndpointSlice controller
+    # publishes a pod's readiness after the Deployment counts it, so wait for both endpoints
+    wait_until(lambda: len(webhook_endpoints()) == 2, 60, "both operator replicas behind the webhook's Service")
+
+
+def webhook_endpoints() -> list[dict[str, Any]]:
     slices = kubectl_json("-n", RELEASE_NAMESPACE, "get", "endpointslices", "-l",
                           "kubernetes.io/service-name=kvpool-webhook")["items"]  # fmt: skip
-    ready = [e for s in slices for e in s.get("endpoints") or [] if e["conditions"].get("ready")]
-    assert len(ready) == 2  # the API server reaches the webhook through its Service
+    return [e for s in slices for e in s.get("endpoints") or [] if e["conditions"].get("ready")]
 
 
 def test_a_cpu_pool_injects_real_pods_whose_sidecar_serves(cluster: Cluster) -> None:
