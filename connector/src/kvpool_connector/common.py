@@ -9,13 +9,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class ChunkOp:
-    """One stored chunk: its chain link (the worker derives its rank's key), how many blocks the
-    chunk holds, and the blocks of the paged buffer to copy (a load may take only the first ones)."""
+    """One stored chunk of one KV cache group: its link (the worker derives its rank's key), how many
+    blocks the chunk holds, and the blocks of the paged buffer to copy (a load may take only some)."""
 
     link: bytes
     chunk_blocks: int
     block_ids: list[int]
     first_block: int = 0  # index in the chunk of block_ids[0]
+    group: int = 0  # the KV cache group whose layers and blocks these are (hybrid models have several)
     # saves: the links of the chunk's block prefixes (its first 1, 2, ... blocks), under which the
     # sidecar finds it for a prompt that shares only those blocks
     prefixes: list[bytes] = field(default_factory=list)

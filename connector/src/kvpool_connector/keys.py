@@ -119,6 +119,13 @@ def chain(
     return links
 
 
+def group_link(link: bytes, group: int) -> bytes:
+    """The link of one KV cache group's part of a chunk (a hybrid model stores each group apart: a
+    sliding-window group's blocks leave the window while the full-attention group's stay). Group 0
+    is the chunk's own link, so a one-group model's keys do not depend on grouping."""
+    return link if group == 0 else _h(link, b"group", group.to_bytes(4, "little"))
+
+
 def rank_key(link: bytes, rank: int) -> str:
     """The sidecar key of one chunk for one worker (lowercase hex, 32 chars). `rank` numbers the
     workers of one engine: pipeline stage * TP size + tensor-parallel rank."""

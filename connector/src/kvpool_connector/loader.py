@@ -45,7 +45,7 @@ class _Loaded:
     req_id: str
     failed_blocks: list[int] = field(default_factory=list)
     chunks: int = 0
-    blocks: int = 0
+    bytes: int = 0
     corrupt: int = 0
     errors: int = 0
     seconds: float = 0.0
@@ -64,6 +64,7 @@ class ChunkLoader:
         self._loading: dict[str, Future[_Loaded]] = {}
         self._finished: set[str] = set()  # loads done, not yet reported
         self._failed_blocks: set[int] = set()  # their blocks that failed, reported with them
+        self._failed_requests: set[str] = set()  # those of them with a block that failed
 
     def attach(self, io: ChunkIO, mapping: ArenaMapping, stream: torch.cuda.Stream | None) -> None:
         self.io, self.mapping, self.stream = io, mapping, stream
@@ -88,9 +89,11 @@ class ChunkLoader:
             loaded = self._loading.pop(req_id).result()
             self._finished.add(req_id)
             self._failed_blocks.update(loaded.failed_blocks)
+            if loaded.failed_blocks:
+                self._failed_requests.add(req_id)
             for name, value in (
                 ("loaded_chunks", loaded.chunks),
-                ("loaded_bytes", loaded.blocks * self.io.block_bytes),
+                ("loaded_bytes", loaded.bytes),
                 ("corrupt_chunks", loaded.corrupt),
                 ("sidecar_errors", loaded.errors),
                 ("load_failed_blocks", len(loaded.failed_blocks)),
@@ -103,6 +106,12 @@ class ChunkLoader:
 
     def take_load_errors(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed, for vLLM's failed_recving (a hybrid model's block ids are per
+        group, so vLLM takes no block ids from it: the whole request recomputes)."""
+        out, self._failed_requests = self._failed_requests, set()
         return out
 
     def shutdown(self) -> None:
@@ -145,7 +154,7 @@ class ChunkLoader:
             out.errors += 1
             self._warn.exception("load-bug", "kvpool: load of %s failed, vLLM recomputes it", spec.req_id)
         out.chunks = good
-        out.blocks = sum(len(op.block_ids) for op in ops[:good])
+        out.bytes = sum(len(op.block_ids) * self.io.block_bytes(op.group) for op in ops[:good])
         out.failed_blocks = [b for op in ops[good:] for b in op.block_ids]
         out.seconds = time.perf_counter() - t0
         return out
@@ -153,10 +162,11 @@ class ChunkLoader:
     def _load_chunk(self, op: ChunkOp, slot: Slot) -> bool:
         """Loads one pinned chunk; False (the sidecar told to drop it) when its bytes are wrong."""
         assert self.mapping is not None, "loads start only after the KV caches are registered"
-        expected = self.io.chunk_bytes(op.chunk_blocks)
+        expected = self.io.chunk_bytes(op.chunk_blocks, op.group)
         if slot.length != expected:
             # found by a block prefix's key: the first blocks of a longer chunk
-            blocks, rest = divmod(slot.length, self.io.block_bytes) if self.io.block_bytes else (0, 1)
+            block_bytes = self.io.block_bytes(op.group)
+            blocks, rest = divmod(slot.length, block_bytes) if block_bytes else (0, 1)
             if rest or blocks < op.first_block + len(op.block_ids):
                 # no worker of this engine can load it, whatever its checksum says: the sidecar
                 # would offer it again to every request, so it is deleted
@@ -179,7 +189,7 @@ class ChunkLoader:
         if self.stream is None:
             ok = self.io.load_cpu(chunk, op) == slot.checksum
         else:
-            bounce = self.io.bounce(op.chunk_blocks)
+            bounce = self.io.bounce(op.chunk_blocks, op.group)
             bounce.copy_(chunk)
             ok = checksum(bounce.numpy()) == slot.checksum
             if ok:

@@ -67,27 +67,34 @@ class KVPoolWorker:
 
     # --- setup -----------------------------------------------------------------------------------
 
-    def register_kv_caches(self, caches: list[tuple[str, torch.Tensor]], chunk_blocks: int = 0) -> None:
-        """chunk_blocks: blocks per full chunk, to check at once that the sidecar takes such chunks."""
+    def register_kv_caches(
+        self,
+        caches: list[tuple[str, torch.Tensor]],
+        chunk_blocks: int = 0,
+        groups: list[list[int]] | None = None,
+    ) -> None:
+        """chunk_blocks: blocks per full chunk, to check at once that the sidecar takes such chunks.
+        groups: the indices in `caches` of each KV cache group's layers (default: one group)."""
         layers = [PagedLayer(t) for _, t in caches]
-        self.io = ChunkIO(layers)
+        self.io = ChunkIO(layers, groups)
         self.layer_index = {name: i for i, (name, _) in enumerate(caches)}
         if self.io.cuda:
             self._stream = torch.cuda.Stream()
             self._mapping = ArenaMapping(self._arena_path, cuda=True)
         self.loader.attach(self.io, self._mapping, self._stream)
         if chunk_blocks:
-            self._check_chunk_size(self.io.chunk_bytes(chunk_blocks))
+            self._check_chunk_size(chunk_blocks * self.io.max_block_bytes)
         log.info(
-            "kvpool: %d layers, %d bytes per block, %s copies, device %s",
+            "kvpool: %d layers in %d groups, %d bytes per block, %s copies, device %s",
             len(layers),
-            self.io.block_bytes,
+            len(self.io.groups),
+            self.io.max_block_bytes,
             "byte-row" if all(layer.dense for layer in layers) else "logical",
             layers[0].device if layers else "-",
         )
 
-    def chunk_bytes(self, num_blocks: int) -> int:
-        return self.io.chunk_bytes(num_blocks)
+    def chunk_bytes(self, num_blocks: int, group: int = 0) -> int:
+        return self.io.chunk_bytes(num_blocks, group)
 
     def _check_chunk_size(self, size: int) -> None:
         """Turns saving off at start, with one clear error, when the sidecar refuses chunks this big
@@ -123,6 +130,9 @@ class KVPoolWorker:
     def take_load_errors(self) -> set[int]:
         return self.loader.take_load_errors()
 
+    def take_failed_requests(self) -> set[str]:
+        return self.loader.take_failed_requests()
+
     # --- saves -----------------------------------------------------------------------------------
 
     def _planned(self, saves: list[SaveSpec]) -> list[_Save]:
@@ -137,12 +147,13 @@ class KVPoolWorker:
             self._saves_of, self._layers_out = meta, set()
             self._saves = [] if self._saves_refused else self._planned(meta.saves)
             for s in self._saves:
-                s.bounce = self.io.bounce(s.op.chunk_blocks)
+                s.bounce = self.io.bounce(s.op.chunk_blocks, s.op.group)
         for i in layers:
             if i not in self._layers_out:
                 for s in self._saves:
-                    assert s.bounce is not None
-                    self.io.save_layer_cuda(s.bounce, s.op, i, self._stream)
+                    if s.op.group == self.io.group_of[i]:  # the layer holds this group's blocks
+                        assert s.bounce is not None
+                        self.io.save_layer_cuda(s.bounce, s.op, i, self._stream)
                 self._layers_out.add(i)
 
     def save_layer(self, layer_name: str, meta: KVPoolMetadata) -> None:
@@ -189,7 +200,7 @@ class KVPoolWorker:
             for priority in dict.fromkeys(s.priority for s in saves):
                 group = [s for s in saves if s.priority == priority]
                 slots = self.client.reserve(
-                    [(s.key, self.io.chunk_bytes(s.op.chunk_blocks)) for s in group],
+                    [(s.key, self.io.chunk_bytes(s.op.chunk_blocks, s.op.group)) for s in group],
                     priority=priority,
                     groups={s.key: s.op.link.hex() for s in group},  # every rank's copy: one group
                     prefixes={s.key: [rank_key(link, self.rank) for link in s.op.prefixes] for s in group},
