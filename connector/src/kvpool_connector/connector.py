@@ -9,13 +9,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from .common import KVPoolMetadata
 from .config import load_config
 from .logs import connector_logger
 from .metrics import KVPoolPromMetrics, KVPoolStats, build_stats
-from .namespace import engine_namespace, layer_names, out_of_window, stored_group
+from .namespace import engine_namespace, out_of_window, stored_groups
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
 
@@ -53,7 +55,11 @@ def check_failure_policy(kv_transfer_config: Any) -> None:
         )
 
 
-class KVPoolConnector(KVConnectorBase_V1):
+class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
+    """Declares SupportsHMA so vLLM keeps its hybrid KV cache manager on (a hybrid model's sliding-
+    window layers then hold only their window: up to twice the KV capacity); each KV cache group's
+    part of a chunk is stored under its own key (scheduler.py)."""
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
@@ -65,7 +71,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.cfg, warnings = load_config(extra)
         for w in warnings:
             log.warning(w)
-        self._layer_names = layer_names(kv_cache_config)
+        groups = stored_groups(kv_cache_config, self.cfg.chunk_size)  # refuses what it cannot serve
+        self._groups = [list(g.layer_names) for g in groups]
         self._num_blocks = kv_cache_config.num_blocks
         self.scheduler: KVPoolScheduler | None = None
         self.worker: KVPoolWorker | None = None
@@ -73,16 +80,13 @@ class KVPoolConnector(KVConnectorBase_V1):
             namespace = engine_namespace(
                 vllm_config, kv_cache_config, self.cfg.chunk_size, self.cfg.model_fingerprint
             )
-            spec = stored_group(kv_cache_config, self.cfg.chunk_size).kv_cache_spec
-            self.scheduler = KVPoolScheduler(
-                self.cfg, namespace, namespace.block_size, out_of_window=out_of_window(spec)
-            )
+            windows = [out_of_window(g.kv_cache_spec) for g in groups]
+            self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size, windows=windows)
         else:
-            group = stored_group(kv_cache_config, self.cfg.chunk_size)  # the scheduler checks it too
             self.worker = KVPoolWorker(
                 self.cfg, _worker_rank(vllm_config.parallel_config.tensor_parallel_size)
             )
-            self._chunk_blocks = self.cfg.chunk_size // group.kv_cache_spec.block_size
+            self._chunk_blocks = self.cfg.chunk_size // groups[0].kv_cache_spec.block_size
 
     @property
     def _worker(self) -> KVPoolWorker:
@@ -103,8 +107,14 @@ class KVPoolConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.v1.kv_cache_interface import group_kernel_blocks
 
-        caches = [(n, group_kernel_blocks(kv_caches[n], self._num_blocks)) for n in self._layer_names]
-        self._worker.register_kv_caches(caches, chunk_blocks=self._chunk_blocks)
+        names = [n for layers in self._groups for n in layers]
+        caches = [(n, group_kernel_blocks(kv_caches[n], self._num_blocks)) for n in names]
+        starts = [sum(len(layers) for layers in self._groups[:g]) for g in range(len(self._groups))]
+        groups = [
+            list(range(start, start + len(layers)))
+            for start, layers in zip(starts, self._groups, strict=True)
+        ]
+        self._worker.register_kv_caches(caches, chunk_blocks=self._chunk_blocks, groups=groups)
 
     def _meta(self) -> KVPoolMetadata:
         meta = self._get_connector_metadata()
@@ -121,6 +131,20 @@ class KVPoolConnector(KVConnectorBase_V1):
         idle = self.has_connector_metadata() and self._meta().idle
         return None, (self._worker.get_finished(wait=idle) or None)
 
+    @property
+    def _hybrid(self) -> bool:
+        return len(self._groups) > 1
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """A hybrid model's failed loads go to vLLM as failed requests (its block ids are per group,
+        so vLLM takes none from a connector there); one group's as failed blocks (a finer recompute:
+        get_block_ids_with_load_errors)."""
+        _, finished = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_requests()
+        return KVConnectorTransferResults(
+            finished_recving=set(finished or ()), failed_recving=failed if self._hybrid else set()
+        )
+
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
@@ -131,7 +155,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._worker.finish_step(self._meta())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_load_errors() if self.worker else set()
+        errors = self.worker.take_load_errors() if self.worker else set()
+        return set() if self._hybrid else errors
 
     def get_kv_connector_stats(self) -> KVPoolStats | None:
         half = self.worker or self.scheduler
@@ -182,4 +207,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request)

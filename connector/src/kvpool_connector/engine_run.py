@@ -7,7 +7,7 @@ out of the caller) and several runs share one engine start-up.
 SPEC: {"model": dir, "block_size": 32, "kv_cache_bytes": N, "max_model_len": N,
        "connector": null | {"name": ..., "module": ..., "extra": {...}}, "scheduling_policy": "fcfs",
        "max_num_batched_tokens": null, "enable_prefix_caching": false, "max_lora_rank": null,
-       "tensor_parallel_size": 1,
+       "tensor_parallel_size": 1, "disable_hybrid_kv_cache_manager": null,
        "runs": [{"label": str, "prompts": [[ids], ...], "max_tokens": 4, "priority": [..] | null,
                  "kv_transfer_params": {...} | null, "cache_salt": str | null,
                  "lora": {"name": str, "id": int, "path": dir} | null,
@@ -58,6 +58,8 @@ def build_llm(spec: dict[str, Any]) -> Any:
         kwargs.update(enable_lora=True, max_lora_rank=spec["max_lora_rank"], max_loras=1)
     if spec.get("tensor_parallel_size", 1) > 1:  # one worker process per rank
         kwargs.update(tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp")
+    if spec.get("disable_hybrid_kv_cache_manager") is not None:
+        kwargs["disable_hybrid_kv_cache_manager"] = spec["disable_hybrid_kv_cache_manager"]
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True

@@ -14,34 +14,41 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def attention_groups(kv_cache_config: KVCacheConfig) -> list:
-    """The KV cache groups kvpool stores (attention layers; other kinds of state are not chunked)."""
+def stored_groups(kv_cache_config: KVCacheConfig, chunk_size: int) -> list[Any]:
+    """The KV cache groups kvpool stores, each under keys of its own: one for most models, one per
+    attention kind for hybrid ones under vLLM's hybrid KV cache manager (full attention, sliding
+    window, chunked local). ValueError for a model or chunk size it cannot serve."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
-    return [g for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, AttentionSpec)]
-
-
-def layer_names(kv_cache_config: KVCacheConfig) -> list[str]:
-    return [name for g in attention_groups(kv_cache_config) for name in g.layer_names]
-
-
-def stored_group(kv_cache_config: KVCacheConfig, chunk_size: int) -> Any:
-    """The one attention group kvpool stores; ValueError for a model or chunk size it cannot serve."""
-    groups = attention_groups(kv_cache_config)
-    if len(groups) != 1:
+    groups = list(kv_cache_config.kv_cache_groups)
+    if not groups:
+        raise ValueError("kvpool: this model has no KV cache")
+    if other := [
+        type(g.kv_cache_spec).__name__ for g in groups if not isinstance(g.kv_cache_spec, AttentionSpec)
+    ]:
+        # a Mamba/GDN layer's state is one running value, not per-token pages: loading the attention
+        # layers' KV without it would compute on the wrong state
+        kinds = ", ".join(sorted(set(other)))
         raise ValueError(
-            f"kvpool supports models with one attention KV cache group, this one has {len(groups)}"
+            f"kvpool cannot cache a model with state that is not per-token KV ({kinds}; Mamba and "
+            "linear-attention hybrids such as Qwen3-Next, Nemotron-H, Jamba). Serve it without "
+            '--kv-transfer-config: annotate its pods kvpool.dev/inject: "false".'
         )
-    block_size = groups[0].kv_cache_spec.block_size
+    block_sizes = {g.kv_cache_spec.block_size for g in groups}
+    if len(block_sizes) != 1:
+        raise ValueError(
+            f"kvpool needs one KV block size for all attention groups, this model has {block_sizes}"
+        )
+    (block_size,) = block_sizes
     if chunk_size % block_size:
         raise ValueError(f"chunk_size {chunk_size} must be a multiple of the KV block size {block_size}")
-    return groups[0]
+    return groups
 
 
-def out_of_window(spec: Any) -> Callable[[int], int]:
+def out_of_window(spec: Any) -> Callable[[int], int] | None:
     """For a group's spec: with n tokens computed, how many tokens from the start vLLM no longer keeps
     (their blocks freed and replaced by the null block; vLLM's get_num_skipped_tokens, without its
-    extra retained tokens, so never fewer). 0 for full attention."""
+    extra retained tokens, so never fewer). None for full attention: it keeps every token."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
     if isinstance(spec, SlidingWindowSpec):
@@ -50,13 +57,25 @@ def out_of_window(spec: Any) -> Callable[[int], int]:
     if isinstance(spec, ChunkedLocalAttentionSpec):
         size = spec.attention_chunk_size
         return lambda n: n // size * size
-    return lambda n: 0
+    return None
 
 
 def _window(spec: Any) -> str:
     """The attention window in the namespace: it changes every layer's KV after the first."""
     window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
     return f":window={window}" if window else ""
+
+
+def _other_groups(groups: list[Any]) -> str:
+    """A hybrid model's groups after the first (each group's chunks hold its own layers' pages)."""
+    if len(groups) == 1:
+        return ""  # the keys of a one-group model are what they were before hybrid models
+    return "".join(
+        f"|{type(s).__name__}{_window(s)}:{s.num_kv_heads}x{s.head_size}:{str(s.dtype).removeprefix('torch.')}"
+        f"/{len(g.layer_names)}"
+        for g in groups
+        for s in [g.kv_cache_spec]
+    )
 
 
 def _canonical(value: Any) -> str:
@@ -77,8 +96,8 @@ def engine_namespace(
     """The one place the namespace is computed: everything in the engine's configuration that changes
     a chunk's bytes (the model's weights, read once here, included). The scheduler's job: workers
     get chain links, never the namespace."""
-    group = stored_group(kv_cache_config, chunk_size)
-    spec = group.kv_cache_spec
+    groups = stored_groups(kv_cache_config, chunk_size)
+    spec = groups[0].kv_cache_spec
     layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
         vllm_config.cache_config, "kv_cache_layout", None
     )
@@ -89,8 +108,8 @@ def engine_namespace(
     return Namespace(
         model=str(model.model),
         dtype=str(spec.dtype).removeprefix("torch."),
-        layout=f"{type(spec).__name__}:{layout or 'default'}{_window(spec)}",
-        num_layers=len(group.layer_names),
+        layout=f"{type(spec).__name__}:{layout or 'default'}{_window(spec)}{_other_groups(groups)}",
+        num_layers=sum(len(g.layer_names) for g in groups),
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         block_size=spec.block_size,

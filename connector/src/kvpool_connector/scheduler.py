@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +12,7 @@ from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarTimeout
 from .breaker import BREAKER_SECONDS, Breaker
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig
-from .keys import Extras, Namespace, chain, new_generation, rank_key
+from .keys import Extras, Namespace, chain, group_link, new_generation, rank_key
 from .logs import connector_logger
 from .metrics import KVPoolStats
 from .ratelimit import RateLimitedLog
@@ -53,7 +53,7 @@ class _ReqState:
     extras: Extras | None = None  # what besides tokens its keys cover (None: tokens only)
     unkeyable: bool = False  # an input kvpool cannot key: never loaded, never saved
     links: list[bytes] = field(default_factory=list)  # chain links of full chunks, extended lazily
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved: set[Span] = field(default_factory=set)  # spans known to be in the sidecar
     lookup: tuple[int, list[Span]] | None = None  # (num_computed_tokens asked, hit spans)
     load: Span | None = None  # tokens to load in the request's next scheduled step
@@ -72,12 +72,15 @@ class KVPoolScheduler:
         namespace: Namespace,
         block_size: int,
         clock: Callable[[], float] = time.monotonic,
-        out_of_window: Callable[[int], int] = lambda n: 0,
+        windows: Sequence[Callable[[int], int] | None] = (None,),
     ):
         self.cfg = cfg
         self.block_size = block_size
-        # with n tokens computed, the tokens whose blocks vLLM has freed (a sliding window)
-        self.out_of_window = out_of_window
+        # per KV cache group: with n tokens computed, the tokens whose blocks vLLM has freed (a
+        # sliding window, chunked local attention), or None (full attention: it keeps every block)
+        self.windows = list(windows)
+        self.full_groups = [g for g, w in enumerate(self.windows) if w is None]
+        self.windowed_groups = [g for g, w in enumerate(self.windows) if w is not None]
         self.seed = namespace.seed()
         # every rank that stores a copy of each chunk: a hit means all of them have it
         self.ranks = namespace.tp_size * namespace.pp_size
@@ -178,14 +181,21 @@ class KVPoolScheduler:
         if self._breaker.open:
             self.stats.add("lookups_skipped")
             return 0, False
-        # chunk by chunk, every rank's key: the prefix found, in whole chunks, is what all ranks have
-        keys = [rank_key(link, r) for link in links for r in range(self.ranks)]
+        # chunk by chunk, every prefix group's and rank's key: the prefix found, in whole chunks, is
+        # what all of them have
+        keys = [k for link in links for k in self._prefix_keys(link)]
         self.stats.add("lookups")
         try:
-            hits = self.client.lookup(keys) // self.ranks
-            hit_spans = spans[: max(0, min(hits, len(spans)))]
-            if hits < len(spans) and (tail := self._saved_tail(st, spans[hits], num_computed_tokens, limit)):
-                hit_spans.append(tail)
+            hits = self.client.lookup(keys) // (self.ranks * len(self._prefix_groups))
+            hits = max(0, min(hits, len(spans)))
+            if self.full_groups and self.windowed_groups:
+                hit_spans = self._windowed_hit(st, spans, hits, num_computed_tokens, limit)
+            else:
+                hit_spans = spans[:hits]
+                if hits < len(spans) and (
+                    tail := self._saved_tail(st, spans[hits], num_computed_tokens, limit)
+                ):
+                    hit_spans.append(tail)
         except SidecarTimeout as e:
             self.stats.add("lookup_errors")
             self._breaker.trip()
@@ -203,17 +213,68 @@ class KVPoolScheduler:
         # checked its chunks, and vLLM has taken back the blocks that failed (see loader.py).
         return end - num_computed_tokens, True
 
-    def _saved_tail(self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int) -> Span | None:
-        """The longest shorter span at the start of the first missed chunk that an earlier prompt
-        saved as its partial tail (block-granular reuse: the next round of a conversation is longer
-        than the last, so its chunk there has another key), if it would load anything. One lookup."""
+    def _keys(self, link: bytes, group: int) -> list[str]:
+        """Every rank's key of one group's part of a chunk."""
+        part = group_link(link, group)
+        return [rank_key(part, r) for r in range(self.ranks)]
+
+    @property
+    def _prefix_groups(self) -> list[int]:
+        """The groups a hit needs from the prompt's start: the full-attention ones (a model whose
+        every layer is windowed is held to the same rule: a hit is a stored prefix, as before HMA)."""
+        return self.full_groups or self.windowed_groups
+
+    def _prefix_keys(self, link: bytes) -> list[str]:
+        return [k for g in self._prefix_groups for k in self._keys(link, g)]
+
+    def _tails(self, missed: Span, num_computed_tokens: int, limit: int) -> list[Span]:
+        """Shorter spans at the start of the first missed chunk, longest first, that would load
+        something: an earlier prompt may have saved one as its partial tail (block-granular reuse:
+        the next round of a conversation is longer than the last, so its chunk there has another key)."""
         bs = self.block_size
-        ends = [e for e in range(missed[1] - bs, missed[0], -bs) if min(e, limit) > num_computed_tokens]
-        candidates = [(missed[0], e) for e in ends]
+        ends = range(missed[1] - bs, missed[0], -bs)
+        return [(missed[0], e) for e in ends if min(e, limit) > num_computed_tokens]
+
+    def _saved_tail(self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int) -> Span | None:
+        """The longest of `_tails` that is stored. One lookup."""
+        candidates = self._tails(missed, num_computed_tokens, limit)
         if not candidates or (links := self._links(st, candidates)) is None:
             return None
-        found = self.client.first_whole([[rank_key(link, r) for r in range(self.ranks)] for link in links])
+        found = self.client.first_whole([self._prefix_keys(link) for link in links])
         return None if found is None else candidates[found]
+
+    def _windowed_hit(
+        self, st: _ReqState, spans: list[Span], hits: int, num_computed_tokens: int, limit: int
+    ) -> list[Span]:
+        """The longest hit whose windowed groups have their window: a sliding-window layer needs only
+        the blocks inside its window before the hit's end (vLLM gives the null block for the rest),
+        so a hit is every full-attention group's chunks up to its end (the first `hits` spans, or a
+        partial tail after them) and each windowed group's chunks that reach into that window. One
+        lookup over every candidate end, longest first (vLLM's own hybrid lookup does the same)."""
+        tails = self._tails(spans[hits], num_computed_tokens, limit) if hits < len(spans) else []
+        candidates = [[*spans[:hits], tail] for tail in tails]
+        candidates += [
+            spans[:k] for k in range(hits, 0, -1) if min(spans[k - 1][1], limit) > num_computed_tokens
+        ]
+        needs: list[list[str]] = []
+        for c in candidates:
+            links = self._links(st, c)
+            if links is None:
+                return []
+            end = min(c[-1][1], limit)
+            keys = self._prefix_keys(links[-1]) if len(c) > hits else []
+            for g, window in enumerate(self.windows):
+                if window is not None:
+                    skipped = align_down(window(end), self.block_size)
+                    keys += [
+                        k
+                        for s, link in zip(c, links, strict=True)
+                        if s[1] > skipped
+                        for k in self._keys(link, g)
+                    ]
+            needs.append(keys)
+        found = self.client.first_whole(needs) if needs else None
+        return [] if found is None else candidates[found]
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -224,7 +285,7 @@ class KVPoolScheduler:
             return
         # The request is not scheduled while it loads, so its blocks come from here, not from
         # the step's scheduled requests.
-        st.block_ids = list(blocks.get_block_ids()[0])
+        st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if st.lookup is None:  # vLLM offers only what we matched; never load without a lookup
             self._warn.warning(
                 "no-lookup",
@@ -252,17 +313,20 @@ class KVPoolScheduler:
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             if (st := self.reqs.get(new.req_id)) is not None:
-                st.block_ids = list(new.block_ids[0])
+                st.block_ids = [list(ids) for ids in new.block_ids]
                 computed[new.req_id] = new.num_computed_tokens
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if (st := self.reqs.get(req_id)) is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:  # after preemption: the full list
-                st.block_ids = list(new_ids[0]) if new_ids else []
+            if req_id in cached.resumed_req_ids:  # after preemption: the full lists
+                st.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                st.block_ids += new_ids[0]
+                st.block_ids = [
+                    old + list(ids)
+                    for old, ids in zip(st.block_ids or [[]] * len(new_ids), new_ids, strict=True)
+                ]
             computed[req_id] = cached.num_computed_tokens[i]
         for req_id, num_computed in computed.items():
             st = self.reqs[req_id]
@@ -278,19 +342,21 @@ class KVPoolScheduler:
             lo, hi = max(s[0], clip[0]), min(s[1], clip[1])
             if hi <= lo:
                 continue
-            # a load may start mid-chunk (behind vLLM's own prefix hit) or stop before the chunk's end,
-            # and skips the blocks out of a sliding window (the null block: vLLM never reads them)
-            ids = st.block_ids[lo // bs : hi // bs]
-            live = next((i for i, b in enumerate(ids) if b != NULL_BLOCK), len(ids))
-            if live < len(ids):
-                ops.append(
-                    ChunkOp(
-                        self._link(st, s),
-                        (s[1] - s[0]) // bs,
-                        ids[live:],
-                        first_block=(lo - s[0]) // bs + live,
+            for g, group_ids in enumerate(st.block_ids):
+                # a load may start mid-chunk (behind vLLM's own prefix hit) or stop before the chunk's
+                # end, and skips the blocks out of a sliding window (the null block: never read)
+                ids = group_ids[lo // bs : hi // bs]
+                live = len(ids) - next((i for i, b in enumerate(reversed(ids)) if b == NULL_BLOCK), len(ids))
+                if live < len(ids):
+                    ops.append(
+                        ChunkOp(
+                            group_link(self._link(st, s), g),
+                            (s[1] - s[0]) // bs,
+                            ids[live:],
+                            first_block=(lo - s[0]) // bs + live,
+                            group=g,
+                        )
                     )
-                )
         return ops
 
     def _load_spec(self, st: _ReqState) -> LoadSpec:
@@ -304,15 +370,16 @@ class KVPoolScheduler:
         params = request.kv_transfer_params or {}
         return not params.get(SKIP_SAVE_PARAM, False)
 
-    def _in_window(self, st: _ReqState, span: Span, computed_before: int) -> bool:
+    def _in_window(self, st: _ReqState, span: Span, computed_before: int, group: int) -> bool:
         """Whether every block of `span` still holds its tokens' KV in this step: none of them freed by a
         sliding window when vLLM scheduled it (then possibly handed to another request, which writes it
         in this very step) and none the null block (out of the window of a prefix hit)."""
         bs = self.block_size
         first, end = span[0] // bs, span[1] // bs
-        blocks = st.block_ids[first:end]
+        blocks = st.block_ids[group][first:end] if group < len(st.block_ids) else []
+        window = self.windows[group]
         return (
-            first >= self.out_of_window(computed_before) // bs
+            (window is None or first >= window(computed_before) // bs)
             and len(blocks) == end - first
             and NULL_BLOCK not in blocks
         )
@@ -327,38 +394,47 @@ class KVPoolScheduler:
             spans += decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
         todo = [s for s in spans if s[1] <= computed_end and s not in st.saved]
         st.saved.update(todo)  # saved now, or never: a block out of the window never comes back
-        todo = [s for s in todo if self._in_window(st, s, computed_before)]
         if not todo or (links := self._links(st, todo)) is None:
             return None
         bs = self.block_size
         ops = [
             ChunkOp(
-                link,
+                group_link(link, g),
                 (s[1] - s[0]) // bs,
-                st.block_ids[s[0] // bs : s[1] // bs],
-                prefixes=[self._link(st, (s[0], end)) for end in range(s[0] + bs, s[1], bs)],
+                st.block_ids[g][s[0] // bs : s[1] // bs],
+                prefixes=[group_link(self._link(st, (s[0], end)), g) for end in range(s[0] + bs, s[1], bs)],
+                group=g,
             )
             for s, link in zip(todo, links, strict=True)
+            for g in range(len(self.windows))
+            if self._in_window(st, s, computed_before, g)
         ]
-        return SaveSpec(request.request_id, request.priority, ops)
+        return SaveSpec(request.request_id, request.priority, ops) if ops else None
 
     # --- worker results, request end -------------------------------------------------------------
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         bad = set(getattr(output, "invalid_block_ids", None) or ())
+        # a hybrid model's failed loads come as whole requests (block ids are per group there): vLLM
+        # recomputes them from the start, and their chunks are saved again
+        failed = set(getattr(output, "failed_recving", None) or ())
         # a load's failed blocks come in the step that reports it finished (loader.py)
         for req_id in getattr(output, "finished_recving", None) or ():
             if (st := self.reqs.get(req_id)) is not None:
-                if st.loading & bad:
+                if st.loading & bad or req_id in failed:
                     st.load_failed = True
                     self.stats.add("failed_load_requests")
+                if req_id in failed:
+                    st.saved.clear()
                 st.loading = set()
         if not bad:
             return
         # the step that failed to load also skipped that request's saves; forget them so the
         # recomputed chunks are saved again
         for st in self.reqs.values():
-            first_bad = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
+            first_bad = next(
+                (i for i, b in enumerate(st.block_ids[0] if st.block_ids else []) if b in bad), None
+            )
             if first_bad is not None:
                 st.saved = {s for s in st.saved if s[1] <= first_bad * self.block_size}
 

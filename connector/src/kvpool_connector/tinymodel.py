@@ -23,6 +23,8 @@ class ModelShape:
     vocab: int = 512
     max_positions: int = 4096
     sliding_window: int | None = None  # set: a Mistral whose every layer attends this many tokens back
+    # with sliding_window: every n-th layer attends to all tokens (Gemma 2 and gpt-oss: 2; Gemma 3: 6)
+    full_attention_every: int | None = None
 
     @property
     def head_size(self) -> int:
@@ -36,6 +38,8 @@ class ModelShape:
 
 TINY = ModelShape()  # head size 64: the CPU backend's smallest common size
 TINY_SWA = ModelShape(sliding_window=64)  # a sliding window of two 32-token blocks
+# Gemma 2-style: windowed and full layers alternate (vLLM's hybrid KV cache manager: two groups)
+TINY_HYBRID = ModelShape(layers=4, sliding_window=64, full_attention_every=2)
 # the demo's: big enough that a 2,000-token prefill takes a visible fraction of a second
 DEMO = ModelShape(hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1408, vocab=512)
 # the shape the bench uses: prefill of 2,000 tokens costs seconds on 2 cores
@@ -58,6 +62,11 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     llama = (LlamaConfig, LlamaForCausalLM)
     config_class, model_class = (MistralConfig, MistralForCausalLM) if swa else llama
     window: dict[str, Any] = {"sliding_window": shape.sliding_window} if swa else {}
+    if every := shape.full_attention_every:  # read by vLLM's Llama family per layer
+        kinds = (
+            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(shape.layers)
+        )
+        window["layer_types"] = list(kinds)
     config = config_class(
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
