@@ -102,7 +102,9 @@ def test_the_operator_runs_from_its_image_with_two_replicas(cluster: Cluster) ->
     assert container["image"] == cluster.images["operator"]
     # the API server reaches the webhook through its Service; the EndpointSlice controller
     # publishes a pod's readiness after the Deployment counts it, so wait for both endpoints
-    wait_until(lambda: len(webhook_endpoints()) == 2, 60, "both operator replicas behind the webhook's Service")
+    wait_until(
+        lambda: len(webhook_endpoints()) == 2, 60, "both operator replicas behind the webhook's Service"
+    )
 
 
 def webhook_endpoints() -> list[dict[str, Any]]:
