@@ -39,6 +39,7 @@ def test_namespace_separates_everything_that_changes_bytes() -> None:
         ("block_size", 16),
         ("chunk_size", 128),
         ("tp_size", 2),
+        ("tp_replicated", True),
         ("pp_size", 2),
         ("dcp_size", 2),
         ("pcp_size", 2),
@@ -54,7 +55,7 @@ def test_namespace_separates_everything_that_changes_bytes() -> None:
 def test_every_namespace_field_enters_the_seed() -> None:
     checked = {"model", "dtype", "layout", "num_layers", "num_kv_heads", "head_size", "block_size"}
     checked |= {"chunk_size", "tp_size", "pp_size", "dcp_size", "pcp_size", "kv_cache_dtype"}
-    checked |= {"quantization", "weights", "overrides"}
+    checked |= {"quantization", "weights", "overrides", "tp_replicated"}
     assert {f.name for f in dataclasses.fields(Namespace)} == checked  # a new field needs a case above
 
 

@@ -17,7 +17,7 @@ from .common import KVPoolMetadata
 from .config import load_config
 from .logs import connector_logger
 from .metrics import KVPoolPromMetrics, KVPoolStats, build_stats
-from .namespace import engine_namespace, out_of_window, stored_groups
+from .namespace import engine_namespace, out_of_window, stored_groups, tp_replicated
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
 
@@ -33,14 +33,18 @@ if TYPE_CHECKING:
 log = connector_logger(__name__)
 
 
-def _worker_rank(tp_size: int) -> int:
-    """This worker's place in the engine: pipeline stage * TP size + TP rank (its keys' rank)."""
+def _worker_rank(tp_size: int, replicated: bool) -> tuple[int, bool]:
+    """This worker's keys' rank (pipeline stage * TP size + TP rank; the stage alone where every TP
+    rank holds the same KV) and whether it saves (where they hold the same, TP rank 0 only)."""
     try:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-        return get_pp_group().rank_in_group * tp_size + get_tensor_model_parallel_rank()
+        stage, tp_rank = get_pp_group().rank_in_group, get_tensor_model_parallel_rank()
     except (AssertionError, ImportError):  # no parallel groups (single process tests)
-        return 0
+        stage, tp_rank = 0, 0
+    if replicated:
+        return stage, tp_rank == 0
+    return stage * tp_size + tp_rank, True
 
 
 def check_failure_policy(kv_transfer_config: Any) -> None:
@@ -83,9 +87,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             windows = [out_of_window(g.kv_cache_spec) for g in groups]
             self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size, windows=windows)
         else:
-            self.worker = KVPoolWorker(
-                self.cfg, _worker_rank(vllm_config.parallel_config.tensor_parallel_size)
+            rank, saves = _worker_rank(
+                vllm_config.parallel_config.tensor_parallel_size, tp_replicated(groups)
             )
+            self.worker = KVPoolWorker(self.cfg, rank, saves=saves)
             self._chunk_blocks = self.cfg.chunk_size // groups[0].kv_cache_spec.block_size
 
     @property

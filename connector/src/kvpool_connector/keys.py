@@ -60,6 +60,14 @@ class Namespace:
     quantization: str = ""
     weights: str = ""  # the model's identity beyond its path: see model_identity.py
     overrides: str = ""  # the config overrides the engine applied (hf_overrides), canonical JSON
+    # every TP rank holds the same KV (MLA's latent KV): one copy per pipeline stage is stored and
+    # every TP rank loads it (keys of rank 0 where each rank used to have its own)
+    tp_replicated: bool = False
+
+    @property
+    def ranks(self) -> int:
+        """The ranks that store their own copy of each chunk: a hit means every one of them has it."""
+        return self.pp_size * (1 if self.tp_replicated else self.tp_size)
 
     def seed(self) -> bytes:
         fields = (
@@ -80,6 +88,7 @@ class Namespace:
             self.quantization,
             self.weights,
             self.overrides,
+            *(("tp-replicated",) if self.tp_replicated else ()),  # the keys of other models unchanged
         )
         return _h("\x1f".join(map(str, fields)).encode())
 

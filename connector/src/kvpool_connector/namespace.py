@@ -45,6 +45,14 @@ def stored_groups(kv_cache_config: KVCacheConfig, chunk_size: int) -> list[Any]:
     return groups
 
 
+def tp_replicated(groups: list[Any]) -> bool:
+    """Whether every TP rank holds the same KV: MLA's latent KV is computed by replicated layers and
+    kept whole on each rank (vLLM's own offloading stores it once too)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return all(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups)
+
+
 def out_of_window(spec: Any) -> Callable[[int], int] | None:
     """For a group's spec: with n tokens computed, how many tokens from the start vLLM no longer keeps
     (their blocks freed and replaced by the null block; vLLM's get_num_skipped_tokens, without its
@@ -123,4 +131,5 @@ def engine_namespace(
         quantization=str(model.quantization or ""),
         weights=model_weights_identity(model, pinned_weights, vllm_config.load_config.download_dir),
         overrides=_canonical(model.hf_overrides),
+        tp_replicated=tp_replicated(groups),
     )

@@ -83,7 +83,7 @@ class KVPoolScheduler:
         self.windowed_groups = [g for g, w in enumerate(self.windows) if w is not None]
         self.seed = namespace.seed()
         # every rank that stores a copy of each chunk: a hit means all of them have it
-        self.ranks = namespace.tp_size * namespace.pp_size
+        self.ranks = namespace.ranks
         # After a lookup times out (the sidecar hung), lookups are misses without asking for a while:
         # a lookup runs inside vLLM's schedule(), so each one that waits out its timeout stalls every
         # request. A sidecar that is simply gone fails at once (connection refused): no breaker.

@@ -1,6 +1,7 @@
-"""A random-weight Llama and a small trained tokenizer in a directory, for the demo, tests and bench.
+"""A random-weight Llama (a Mistral with sliding windows, a DeepSeek-V2 with MLA) and a small trained
+tokenizer in a directory, for the demo, tests and bench.
 
-Nothing is downloaded: the weights come from transformers' LlamaConfig with a fixed seed, the
+Nothing is downloaded: the weights come from transformers' configs with a fixed seed, the
 tokenizer is trained with `tokenizers` on a few generated sentences.
 """
 
@@ -25,6 +26,9 @@ class ModelShape:
     sliding_window: int | None = None  # set: a Mistral whose every layer attends this many tokens back
     # with sliding_window: every n-th layer attends to all tokens (Gemma 2 and gpt-oss: 2; Gemma 3: 6)
     full_attention_every: int | None = None
+    # a DeepSeek-V2 with multi-head latent attention: each layer caches one latent vector per token
+    # (512 + 64 rotary dims: the only size vLLM's CPU MLA kernel takes), the same on every TP rank
+    mla: bool = False
 
     @property
     def head_size(self) -> int:
@@ -33,13 +37,19 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         """What one token's K and V take in vLLM's cache, float32, over all layers."""
+        if self.mla:
+            return self.layers * (MLA_LATENT + MLA_ROPE) * 4
         return 2 * self.layers * self.kv_heads * self.head_size * 4
+
+
+MLA_LATENT, MLA_ROPE = 512, 64
 
 
 TINY = ModelShape()  # head size 64: the CPU backend's smallest common size
 TINY_SWA = ModelShape(sliding_window=64)  # a sliding window of two 32-token blocks
 # Gemma 2-style: windowed and full layers alternate (vLLM's hybrid KV cache manager: two groups)
 TINY_HYBRID = ModelShape(layers=4, sliding_window=64, full_attention_every=2)
+TINY_MLA = ModelShape(heads=4, kv_heads=4, mla=True)  # vLLM's CPU engine runs it with block size 16
 # the demo's: big enough that a 2,000-token prefill takes a visible fraction of a second
 DEMO = ModelShape(hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1408, vocab=512)
 # the shape the bench uses: prefill of 2,000 tokens costs seconds on 2 cores
@@ -54,10 +64,37 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     if marker.exists() and json.loads(marker.read_text()) == made:
         return directory
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
     _make_tokenizer(directory, shape.vocab)
+    torch.manual_seed(seed)
+    model = _mla_model(shape) if shape.mla else _llama_model(shape)
+    model.save_pretrained(directory, safe_serialization=True)
+    marker.write_text(json.dumps(made))
+    return directory
+
+
+def _config(shape: ModelShape) -> dict[str, Any]:
+    """What every tiny model's transformers config takes from its shape."""
+    return {
+        "hidden_size": shape.hidden,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.heads,
+        "num_key_value_heads": shape.kv_heads,
+        "intermediate_size": shape.intermediate,
+        "vocab_size": shape.vocab,
+        "max_position_embeddings": shape.max_positions,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "tie_word_embeddings": False,
+    }
+
+
+def _llama_model(shape: ModelShape) -> Any:
+    """A Llama, or a Mistral when it has a sliding window."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
     swa = shape.sliding_window is not None
     llama = (LlamaConfig, LlamaForCausalLM)
     config_class, model_class = (MistralConfig, MistralForCausalLM) if swa else llama
@@ -67,25 +104,23 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
             "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(shape.layers)
         )
         window["layer_types"] = list(kinds)
-    config = config_class(
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        intermediate_size=shape.intermediate,
-        vocab_size=shape.vocab,
-        max_position_embeddings=shape.max_positions,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        **window,
+    config = config_class(**_config(shape), **window)
+    return model_class(config).float()
+
+
+def _mla_model(shape: ModelShape) -> Any:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        **_config(shape),
+        kv_lora_rank=MLA_LATENT,
+        qk_rope_head_dim=MLA_ROPE,
+        q_lora_rank=None,
+        qk_nope_head_dim=shape.head_size,
+        v_head_dim=shape.head_size,
+        first_k_dense_replace=shape.layers,  # dense MLPs: no experts
     )
-    torch.manual_seed(seed)
-    model = model_class(config).float()
-    model.save_pretrained(directory, safe_serialization=True)
-    marker.write_text(json.dumps(made))
-    return directory
+    return DeepseekV2ForCausalLM(config).float()
 
 
 def make_lora(directory: Path, base: Path, shape: ModelShape = TINY, seed: int = 0, rank: int = 8) -> Path:

@@ -46,9 +46,10 @@ class _Save:
 
 
 class KVPoolWorker:
-    def __init__(self, cfg: KVPoolConfig, rank: int):
+    def __init__(self, cfg: KVPoolConfig, rank: int, saves: bool = True):
         self.cfg = cfg
         self.rank = rank  # pipeline stage * TP size + TP rank: picks this worker's keys
+        self.saves = saves  # False: another TP rank saves the same KV (MLA), this one only loads
         # Never replaced: a connection that failed is dropped by the client's pool, so the copy
         # thread and the engine thread may both use it at any time.
         self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
@@ -85,12 +86,14 @@ class KVPoolWorker:
         if chunk_blocks:
             self._check_chunk_size(chunk_blocks * self.io.max_block_bytes)
         log.info(
-            "kvpool: %d layers in %d groups, %d bytes per block, %s copies, device %s",
+            "kvpool: %d layers in %d groups, %d bytes per block, %s copies, device %s, keys of rank %d%s",
             len(layers),
             len(self.io.groups),
             self.io.max_block_bytes,
             "byte-row" if all(layer.dense for layer in layers) else "logical",
             layers[0].device if layers else "-",
+            self.rank,
+            "" if self.saves else " (loads only: another TP rank saves the same KV)",
         )
 
     def chunk_bytes(self, num_blocks: int, group: int = 0) -> int:
@@ -136,6 +139,8 @@ class KVPoolWorker:
     # --- saves -----------------------------------------------------------------------------------
 
     def _planned(self, saves: list[SaveSpec]) -> list[_Save]:
+        if self._saves_refused or not self.saves:
+            return []
         return [
             _Save(op, rank_key(op.link, self.rank), save.priority) for save in saves for op in save.chunks
         ]
@@ -145,7 +150,7 @@ class KVPoolWorker:
         assert self._stream is not None
         if self._saves_of is not meta:
             self._saves_of, self._layers_out = meta, set()
-            self._saves = [] if self._saves_refused else self._planned(meta.saves)
+            self._saves = self._planned(meta.saves)
             for s in self._saves:
                 s.bounce = self.io.bounce(s.op.chunk_blocks, s.op.group)
         for i in layers:
@@ -180,7 +185,7 @@ class KVPoolWorker:
             self._stream.synchronize()  # the bounce buffers are complete: vLLM may reuse the blocks
             saves, self._saves, self._saves_of = self._saves, [], None
         else:
-            saves = [] if self._saves_refused else self._planned(meta.saves)
+            saves = self._planned(meta.saves)
         if not saves:
             return
         if self._save_breaker.open:  # the sidecar is hung: a step's end never waits on it again
