@@ -172,6 +172,7 @@ EXPECTED_SOLO = {
                     "--arena-dir",
                     "/var/run/kvpool",
                     "--shared-group",
+                    "--keep-arena",
                 ],
                 "ports": [{"name": "kvpool-status", "containerPort": 7071, "protocol": "TCP"}],
                 "volumeMounts": [{"name": "kvpool-arena", "mountPath": "/var/run/kvpool"}],

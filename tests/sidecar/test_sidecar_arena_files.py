@@ -42,7 +42,7 @@ def test_a_planted_symlink_or_hard_link_is_replaced_never_written_through(tmp_pa
     finally:
         proc.stop()
     # a hard link to another file (so a second name can read and write the arena): replaced too
-    os.unlink(arena_dir / "arena")
+    assert not (arena_dir / "arena").exists()  # removed at exit: no --keep-arena
     other = tmp_path / "other"
     other.write_bytes(b"\0" * 2**20)
     (arena_dir / "arena").hardlink_to(other)
@@ -143,3 +143,17 @@ def test_a_header_changed_behind_the_sidecar_reinitialises_the_arena_instead_of_
         assert c.stats()["arena_reinitialised"] == 1
     finally:
         proc.stop()
+
+
+def test_the_arena_file_goes_when_the_sidecar_stops_unless_it_is_kept(tmp_path) -> None:
+    """On a bare host the arena's tmpfs pages stay allocated while its file exists. In a pod the
+    operator passes --keep-arena: the emptyDir goes with the pod, and a restarted sidecar reuses it."""
+    proc = start_sidecar(tmp_path, "1Mi")
+    arena = proc.info["arena_dir"] / "arena"
+    assert arena.exists()
+    proc.stop()  # SIGTERM, as at a pod's deletion or a host's service stop
+    assert not arena.exists()
+    assert not (proc.info["arena_dir"] / "control.sock").exists()
+    kept = start_sidecar(tmp_path, "1Mi", [], "--keep-arena")
+    kept.stop()
+    assert (kept.info["arena_dir"] / "arena").exists()

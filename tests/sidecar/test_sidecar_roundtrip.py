@@ -187,10 +187,11 @@ def test_unreachable_sidecar_is_a_sidecar_error() -> None:
 
 
 def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
-    """A restarted sidecar keeps the arena file, has a new socket: the same client carries on."""
+    """A restarted sidecar keeps the arena file (--keep-arena, as the operator injects it), has a new
+    socket: the same client carries on."""
     from kvtest import start_sidecar
 
-    proc = sidecar_factory("8Mi")
+    proc = sidecar_factory("8Mi", (), "--keep-arena")
     arena_dir = proc.info["arena_dir"]
     c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(arena_dir))
     (slot,) = c.reserve([(key(1, "e"), 1000)])
@@ -200,7 +201,7 @@ def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
     proc.stop()
     with pytest.raises(SidecarError):
         c.lookup([key(1, "e")])
-    again = start_sidecar(arena_dir.parent, "8Mi", port=proc.info["port"])
+    again = start_sidecar(arena_dir.parent, "8Mi", [], "--keep-arena", port=proc.info["port"])
     try:
         assert os.stat(arena_dir / "arena").st_ino == inode  # the same file: mappings stay valid
         assert c.lookup([key(1, "e")]) == 0  # an empty index: old bytes are never trusted

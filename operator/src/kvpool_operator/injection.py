@@ -270,6 +270,7 @@ def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bo
         "--capacity", str(pool.capacity_bytes),  # plain bytes: no quantity dialect to disagree on
         "--arena-dir", names.ARENA_DIR,
         "--shared-group",  # the pod gives every container the sidecar's group: files are 0660
+        "--keep-arena",  # a restarted sidecar reuses the emptyDir's file: its memory is not held twice
     ]  # fmt: skip
     mounts: list[dict[str, Any]] = [{"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR}]
     env: list[dict[str, Any]] = []

@@ -85,6 +85,7 @@ class Arena:
         # that still maps it keeps a valid mapping, and memory is not held twice. Its old bytes are
         # never trusted: the index starts empty, and every chunk is checksummed before it is served.
         fd = _open_own(self.path, self.mode, size)
+        self._inode = os.fstat(fd).st_ino
         try:
             os.fchmod(fd, self.mode)  # the umask may have narrowed it
             os.ftruncate(fd, size)
@@ -112,6 +113,13 @@ class Arena:
         """Writes a header with a new epoch: every offset handed out before is refused by clients."""
         self.epoch = secrets.randbits(63) + 1
         ARENA_HEADER.pack_into(self.view, 0, ARENA_MAGIC, self.epoch)
+
+    def remove(self) -> None:
+        """Deletes the arena file, unless another sidecar has replaced it since. Clients that map it
+        keep their mapping; its memory goes back when the last of them lets go."""
+        with contextlib.suppress(FileNotFoundError):
+            if self.path.lstat().st_ino == self._inode:
+                self.path.unlink()
 
     def close(self) -> None:
         self.view.release()

@@ -118,3 +118,10 @@ async def start(sidecar: Sidecar) -> asyncio.AbstractServer | None:
         return None
     os.chmod(path, sidecar.arena.mode)  # like the arena (see arena.file_mode)
     return server
+
+
+def remove(sidecar: Sidecar) -> None:
+    """Deletes the socket file at exit (asyncio leaves it on Python < 3.13): a restart makes a new one."""
+    if sidecar.socket_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sidecar.socket_path)

@@ -60,4 +60,5 @@ async def serve(sidecar: Sidecar) -> None:
     finally:
         if sock_server is not None:
             sock_server.close()
+            control_socket.remove(sidecar)
         sidecar.close()

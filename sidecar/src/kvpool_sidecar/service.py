@@ -61,6 +61,8 @@ class Sidecar:
     def close(self) -> None:
         if self.redis is not None:
             self.redis.close()
+        if not self.settings.keep_arena:  # a host's tmpfs holds its pages until the file goes
+            self.arena.remove()
 
     def ready(self, cpu_only: bool = False) -> tuple[bool, str]:
         if not cpu_only and self.redis_refused:

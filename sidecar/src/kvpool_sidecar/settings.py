@@ -39,6 +39,7 @@ class Settings:
     pool_key: bytes | None = field(default=None, repr=False)  # authenticates chunks in Redis (see redis_tier)
     pool_key_required: bool = False  # without a key, keep Redis off rather than trust it
     shared_group: bool = False  # every container that uses the arena has this process's group
+    keep_arena: bool = False  # leave the arena file at exit (a pod's emptyDir, for the next start)
     max_chunk_bytes: int = 64 * 2**20
     lease_seconds: float = 30.0
     status_host: str = "::"  # every address, IPv4 and IPv6 (listen.py)
@@ -124,6 +125,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="the arena's users all have this process's group (a pod's supplementalGroups): files are 0660",
     )
     p.add_argument(
+        "--keep-arena",
+        action="store_true",
+        default=_env_flag(environ, "keep-arena"),
+        help="leave the arena file at exit (in a pod: a restarted sidecar reuses its memory, and the "
+        "emptyDir goes with the pod); without it the file is removed, so a host's tmpfs gets its RAM back",
+    )
+    p.add_argument(
         "--pool-key-required",
         action="store_true",
         default=_env_flag(environ, "pool-key-required"),
@@ -159,6 +167,7 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         pool_key=key.encode() if (key := _env(environ, "pool-key")) else None,
         pool_key_required=ns.pool_key_required,
         shared_group=ns.shared_group,
+        keep_arena=ns.keep_arena,
         max_chunk_bytes=ns.max_chunk_bytes,
         lease_seconds=ns.lease_seconds,
         status_host=ns.status_host,
