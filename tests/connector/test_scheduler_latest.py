@@ -222,6 +222,22 @@ def test_a_prompt_sharing_only_the_first_blocks_of_a_chunk_loads_them_from_that_
     assert_empty(s)
 
 
+def test_a_prompt_that_ends_where_a_block_prefix_of_a_stored_chunk_ends_loads_it_all(
+    tiny_model, sidecar
+) -> None:
+    """A prompt that is the start of a longer one, ending inside the longer one's chunk: its own tail
+    span is that chunk's block prefix (review, item 14: it loaded one block less)."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    longer = prompt(100, 10)  # chunks [0,32) [32,64) [64,96), each saved with its block prefixes
+    s.add_request(make_request(longer))
+    save_like_a_worker(client, run_to_end(s))
+    s.add_request(make_request(longer[:90]))  # its tail span [64,80) is [64,96)'s first block
+    outputs = run_to_end(s)
+    assert first_computed(outputs) == 80  # not 64
+    assert_empty(s)
+
+
 def test_a_load_that_fails_every_time_is_tried_once(tiny_model, sidecar) -> None:
     """A worker that can never load what the sidecar offers (a header it did not write, a chunk no
     worker can read): vLLM recomputes, and kvpool never offers that request a hit again."""

@@ -230,9 +230,12 @@ class KVPoolScheduler:
     def _tails(self, missed: Span, num_computed_tokens: int, limit: int) -> list[Span]:
         """Shorter spans at the start of the first missed chunk, longest first, that would load
         something: an earlier prompt may have saved one as its partial tail (block-granular reuse:
-        the next round of a conversation is longer than the last, so its chunk there has another key)."""
+        the next round of a conversation is longer than the last, so its chunk there has another key),
+        or as a block prefix of a chunk. A partial span itself comes first: it may be such a block
+        prefix (this prompt is the start of a longer one), which only first_whole finds."""
         bs = self.block_size
-        ends = range(missed[1] - bs, missed[0], -bs)
+        first_end = missed[1] if missed[1] - missed[0] < self.cfg.chunk_size else missed[1] - bs
+        ends = range(first_end, missed[0], -bs)
         return [(missed[0], e) for e in ends if min(e, limit) > num_computed_tokens]
 
     def _saved_tail(self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int) -> Span | None:
