@@ -86,10 +86,11 @@ class KVPoolWorker:
         if chunk_blocks:
             self._check_chunk_size(chunk_blocks * self.io.max_block_bytes)
         log.info(
-            "kvpool: %d layers in %d groups, %d bytes per block, %s copies, device %s, keys of rank %d%s",
+            "kvpool: %d layers, %d bytes per block, %d KV cache group(s), %s copies, device %s, "
+            "keys of rank %d%s",
             len(layers),
-            len(self.io.groups),
             self.io.max_block_bytes,
+            len(self.io.groups),
             "byte-row" if all(layer.dense for layer in layers) else "logical",
             layers[0].device if layers else "-",
             self.rank,
