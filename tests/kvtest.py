@@ -41,6 +41,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Gone(Exception):
+    """Raised by a condition when what it waits on has ended for good (a process exited): wait_until
+    fails at once instead of at its deadline."""
+
+
 def wait_until(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
     """Polls `condition` until it returns a truthy value; fails with `what` at the deadline."""
     deadline = time.monotonic() + timeout
@@ -50,6 +55,8 @@ def wait_until(condition: Callable[[], object], timeout: float = 30.0, what: str
             value = condition()
             if value:
                 return value
+        except Gone:
+            raise
         except Exception as e:  # the condition may raise while the thing starts
             last_error = e
         time.sleep(0.02)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtest import wait_until
+from kvtest import Gone, wait_until
 
 from kvpool_connector.keys import Namespace, chunk_keys
 from kvpool_connector.model_identity import weights_fingerprint
@@ -98,7 +98,7 @@ class Engine:
 
         def ready() -> bool:
             if self.proc.poll() not in (None, 0):
-                raise AssertionError(f"engine {self.name} exited {self.proc.returncode}:\n{self.tail()}")
+                raise Gone(f"engine {self.name} exited {self.proc.returncode}:\n{self.tail()}")
             return done.exists()
 
         wait_until(ready, timeout, f"engine {self.name} run {label}")

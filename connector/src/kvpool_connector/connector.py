@@ -75,12 +75,22 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.cfg, warnings = load_config(extra)
         for w in warnings:
             log.warning(w)
-        groups = stored_groups(kv_cache_config, self.cfg.chunk_size)  # refuses what it cannot serve
-        self._groups = [list(g.layer_names) for g in groups]
-        self._num_blocks = kv_cache_config.num_blocks
         self.scheduler: KVPoolScheduler | None = None
         self.worker: KVPoolWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        self._num_blocks = kv_cache_config.num_blocks
+        # a model kvpool cannot cache is served without it: an optional cache never stops an engine
+        self.off: str | None = None
+        try:
+            groups = stored_groups(kv_cache_config, self.cfg.chunk_size)
+        except ValueError as e:
+            self.off, groups = str(e), []
+            if role == KVConnectorRole.SCHEDULER:  # once per engine
+                log.error("%s kvpool is off for this engine: vLLM serves it without a cache.", e)
+        self._groups = [list(g.layer_names) for g in groups]
+        if self.off is not None:
+            if role != KVConnectorRole.SCHEDULER:
+                self.worker = KVPoolWorker(self.cfg, 0, saves=False)  # only ever sees empty steps
+        elif role == KVConnectorRole.SCHEDULER:
             namespace = engine_namespace(
                 vllm_config, kv_cache_config, self.cfg.chunk_size, self.cfg.model_fingerprint
             )
@@ -111,6 +121,9 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+        if self.off is not None:
+            return
 
         names = [n for layers in self._groups for n in layers]
         caches = [(n, group_kernel_blocks(kv_caches[n], self._num_blocks)) for n in names]
@@ -189,32 +202,42 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     # --- scheduler side --------------------------------------------------------------------------
 
+    # Off (a model kvpool cannot cache), the scheduler side matches nothing and plans nothing, so the
+    # worker side only ever sees empty steps.
+
     def reset_cache(self) -> bool:
-        return self._scheduler.reset_cache()
+        return self.off is not None or self._scheduler.reset_cache()
 
     def on_new_request(self, request: Request) -> None:
-        self._scheduler.track(request)
+        if self.off is None:
+            self._scheduler.track(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self.off is not None:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.off is None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self.off is not None:
+            return KVPoolMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._scheduler.update_connector_output(connector_output)
+        if self.off is None:
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request)
+        return (False, None) if self.off is not None else self._scheduler.request_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._scheduler.request_finished(request)
+        return self.request_finished(request, [])

@@ -7,7 +7,7 @@ out of the caller) and several runs share one engine start-up.
 SPEC: {"model": dir, "block_size": 32, "kv_cache_bytes": N, "max_model_len": N,
        "connector": null | {"name": ..., "module": ..., "extra": {...}}, "scheduling_policy": "fcfs",
        "max_num_batched_tokens": null, "enable_prefix_caching": false, "max_lora_rank": null,
-       "tensor_parallel_size": 1, "disable_hybrid_kv_cache_manager": null,
+       "tensor_parallel_size": 1, "disable_hybrid_kv_cache_manager": null, "dtype": "float32",
        "runs": [{"label": str, "prompts": [[ids], ...], "max_tokens": 4, "priority": [..] | null,
                  "kv_transfer_params": {...} | null, "cache_salt": str | null,
                  "lora": {"name": str, "id": int, "path": dir} | null,
@@ -66,7 +66,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
     return LLM(
         model=spec["model"],
         tokenizer=spec["model"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         block_size=spec.get("block_size", 32),
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 256 << 20),
         max_model_len=spec.get("max_model_len", 4096),

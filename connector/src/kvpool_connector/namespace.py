@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 def stored_groups(kv_cache_config: KVCacheConfig, chunk_size: int) -> list[Any]:
     """The KV cache groups kvpool stores, each under keys of its own: one for most models, one per
     attention kind for hybrid ones under vLLM's hybrid KV cache manager (full attention, sliding
-    window, chunked local). ValueError for a model or chunk size it cannot serve."""
+    window, chunked local). ValueError for a model or chunk size it cannot serve (the connector then
+    turns itself off: vLLM serves the model without it)."""
     from vllm.v1.kv_cache_interface import AttentionSpec
 
     groups = list(kv_cache_config.kv_cache_groups)
@@ -31,8 +32,8 @@ def stored_groups(kv_cache_config: KVCacheConfig, chunk_size: int) -> list[Any]:
         kinds = ", ".join(sorted(set(other)))
         raise ValueError(
             f"kvpool cannot cache a model with state that is not per-token KV ({kinds}; Mamba and "
-            "linear-attention hybrids such as Qwen3-Next, Nemotron-H, Jamba). Serve it without "
-            '--kv-transfer-config: annotate its pods kvpool.dev/inject: "false".'
+            "linear-attention hybrids such as Qwen3-Next, Nemotron-H, Jamba); annotate its pods "
+            'kvpool.dev/inject: "false" to run them without a sidecar.'
         )
     block_sizes = {g.kv_cache_spec.block_size for g in groups}
     if len(block_sizes) != 1:

@@ -29,6 +29,9 @@ class ModelShape:
     # a DeepSeek-V2 with multi-head latent attention: each layer caches one latent vector per token
     # (512 + 64 rotary dims: the only size vLLM's CPU MLA kernel takes), the same on every TP rank
     mla: bool = False
+    # a Qwen3-Next: gated delta net (linear attention, one running state per request, not per-token
+    # KV) and full attention layers alternate, each MLP a mixture of experts; bfloat16 on the CPU
+    gdn: bool = False
 
     @property
     def head_size(self) -> int:
@@ -49,6 +52,7 @@ TINY = ModelShape()  # head size 64: the CPU backend's smallest common size
 TINY_SWA = ModelShape(sliding_window=64)  # a sliding window of two 32-token blocks
 # Gemma 2-style: windowed and full layers alternate (vLLM's hybrid KV cache manager: two groups)
 TINY_HYBRID = ModelShape(layers=4, sliding_window=64, full_attention_every=2)
+TINY_GDN = ModelShape(gdn=True)  # vLLM's CPU engine runs it in bfloat16 only
 TINY_MLA = ModelShape(heads=4, kv_heads=4, mla=True)  # vLLM's CPU engine runs it with block size 16
 # the demo's: big enough that a 2,000-token prefill takes a visible fraction of a second
 DEMO = ModelShape(hidden=512, layers=4, heads=8, kv_heads=2, intermediate=1408, vocab=512)
@@ -68,7 +72,7 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     _make_tokenizer(directory, shape.vocab)
     torch.manual_seed(seed)
-    model = _mla_model(shape) if shape.mla else _llama_model(shape)
+    model = _mla_model(shape) if shape.mla else _gdn_model(shape) if shape.gdn else _llama_model(shape)
     model.save_pretrained(directory, safe_serialization=True)
     marker.write_text(json.dumps(made))
     return directory
@@ -121,6 +125,25 @@ def _mla_model(shape: ModelShape) -> Any:
         first_k_dense_replace=shape.layers,  # dense MLPs: no experts
     )
     return DeepseekV2ForCausalLM(config).float()
+
+
+def _gdn_model(shape: ModelShape) -> Any:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        **_config(shape),
+        head_dim=shape.head_size,
+        layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)],
+        linear_num_value_heads=shape.heads,
+        linear_num_key_heads=shape.kv_heads,
+        linear_key_head_dim=shape.head_size,
+        linear_value_head_dim=shape.head_size,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=shape.intermediate // 4,
+        shared_expert_intermediate_size=shape.intermediate // 4,
+    )
+    return Qwen3NextForCausalLM(config).float()
 
 
 def make_lora(directory: Path, base: Path, shape: ModelShape = TINY, seed: int = 0, rank: int = 8) -> Path:
