@@ -25,6 +25,7 @@ from kvpool_sidecar.redis_tier import chunk_key
 pytestmark = pytest.mark.engine
 
 PROMPTS = {name: random_prompt(600, 512, seed=50 + i) for i, name in enumerate("ABCDE")}
+POD = ("--keep-arena",)  # as the operator runs the pod's sidecar: a restart reuses the arena file
 WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=59)], "max_tokens": 2}
 
 
@@ -53,7 +54,7 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
     # Redis evicts whole keys, whichever: a chunk is one key, so it goes whole or not at all
     redis_call(redis.port, "CONFIG", "SET", "maxmemory-policy", "allkeys-random")
     clean = start_sidecar(d / "clean", "64Mi")  # the reference: a clean cold run of every prompt
-    pod = start_sidecar(d / "pod", "64Mi", [redis.url])
+    pod = start_sidecar(d / "pod", "64Mi", [redis.url], *POD)
     fresh = start_sidecar(d / "fresh", "64Mi", [redis.url])  # another pod: loads from Redis only
     s: dict[str, Any] = {"clean": SidecarClient(clean.info["url"], timeout=5)}
     small = None
@@ -74,19 +75,19 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         a.go("restart")
         wait_until(lambda: client.stats()["bytes_in"] > before, 120, "B's first chunks saved")
         pod.stop(signal.SIGKILL)
-        pod = start_sidecar(d / "pod", "64Mi", [redis.url], port=pod.info["port"])
+        pod = start_sidecar(d / "pod", "64Mi", [redis.url], *POD, port=pod.info["port"])
         s["restart"] = a.wait_done("restart")["outputs"][0]
         # every reservation expires before its commit: a writer slower than its lease (1 µs: less
         # than one loopback round trip, so no writer on any machine is fast enough; 1 ms was not)
         pod.stop()
         lease = ["--lease-seconds", "0.000001"]
-        pod = start_sidecar(d / "pod", "64Mi", [redis.url], *lease, port=pod.info["port"])
+        pod = start_sidecar(d / "pod", "64Mi", [redis.url], *POD, *lease, port=pod.info["port"])
         s["slow"] = _run(a, "slow")
         slow_pod = SidecarClient(pod.info["url"], timeout=5)
         s["slow_stats"] = slow_pod.stats()
         s["slow_chunks"] = {k: slow_pod.get(k) for k in prompt_keys(tiny_model, PROMPTS["C"])}
         pod.stop()
-        pod = start_sidecar(d / "pod", "64Mi", [redis.url], port=pod.info["port"])
+        pod = start_sidecar(d / "pod", "64Mi", [redis.url], *POD, port=pod.info["port"])
         s["D"] = _run(a, "D")
         flushed = lambda: SidecarClient(pod.info["url"]).stats()["tiers"]["redis"]["queued"] == 0  # noqa: E731
         wait_until(flushed, 60, "the write-behind of D")

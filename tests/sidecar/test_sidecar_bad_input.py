@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 from kvtest import Proc, start_sidecar, wait_until
-from sidecar_support import http_json, key
+from sidecar_support import http_json, key, load, save
 
-from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.client import SidecarClient, SidecarError
 from kvpool_sidecar.wire import slot_from_json
 
 JSON = {"Content-Type": "application/json"}
@@ -225,5 +225,27 @@ def test_a_body_trickled_slower_than_its_lease_holds_no_room(tmp_path) -> None:
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert c.stats()["reserved_chunks"] == 0 and c.stats()["free_bytes"] == 65536
         assert c.put(key(3, "after"), b"f" * 65536)  # the room is there for the next writer
+    finally:
+        proc.stop()
+
+
+def test_slow_uploads_together_hold_at_most_half_the_arena(tmp_path) -> None:
+    """Bodies streaming in hold their reservations until they end: a second upload that would take
+    uploads past half the arena is refused at once, and the connector's saves keep their room."""
+    proc = start_sidecar(tmp_path, "64Ki", [], "--lease-seconds", "30")
+    try:
+        c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(proc.info["arena_dir"]))
+        with socket.create_connection(("127.0.0.1", proc.info["port"]), timeout=10) as s:
+            s.sendall(f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Length: 32768\r\n\r\nt".encode())
+            wait_until(lambda: c.stats()["reserved_chunks"] == 1, 10, "the slow upload's reservation")
+            with pytest.raises(SidecarError, match="at most 32768 together"):
+                c.put(key(4, "second"), b"s" * 16384)
+            assert c.stats()["reserved_chunks"] == 1  # the refused one reserved nothing
+            save(c, {key(4, "save"): b"v" * 16384})  # a connector's save (reserve, write, commit)
+            assert load(c, [key(4, "save")]) == {key(4, "save"): b"v" * 16384}
+        # the slow client went away: its room is back for the next upload
+        wait_until(lambda: c.stats()["reserved_chunks"] == 0, 10, "the slow upload's reservation to go")
+        assert c.put(key(4, "second"), b"s" * 16384)
+        still_serving(proc.info["url"])
     finally:
         proc.stop()

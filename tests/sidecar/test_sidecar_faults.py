@@ -81,7 +81,7 @@ def test_a_restart_under_a_client_refuses_its_old_reservations_and_pins(sidecar_
     the restart cannot be committed after it, and the client sees the new epoch in the file."""
     from kvpool_sidecar.wire import arena_epoch
 
-    proc = sidecar_factory("1Mi")
+    proc = sidecar_factory("1Mi", [], "--keep-arena")  # as in a pod: the file outlives the process
     c = client(proc)
     data = payload(CHUNK, 7)
     save(c, {key(7, "old"): data})
@@ -90,7 +90,7 @@ def test_a_restart_under_a_client_refuses_its_old_reservations_and_pins(sidecar_
     arena = c.arena()
     assert arena_epoch(arena) == slot.epoch == pinned.slots[0].epoch
     proc.stop()
-    again = start_sidecar(proc.info["arena_dir"].parent, "1Mi", port=proc.info["port"])
+    again = start_sidecar(proc.info["arena_dir"].parent, "1Mi", [], "--keep-arena", port=proc.info["port"])
     try:
         assert arena_epoch(arena) not in (None, slot.epoch)  # the same mapping shows the new epoch
         arena[slot.offset : slot.offset + CHUNK] = data

@@ -20,7 +20,7 @@ from kvpool_sidecar import schemas as s
 from kvpool_sidecar.body_limit import BoundedJsonBodies
 from kvpool_sidecar.service import Sidecar
 from kvpool_sidecar.store import PutResult
-from kvpool_sidecar.wire import KEY_PATTERN
+from kvpool_sidecar.wire import KEY_PATTERN, Slot
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,15 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     store = sidecar.store
     max_chunk = sidecar.settings.max_chunk_bytes
     drain_limit = 4 * max_chunk  # oversized bodies up to this are read and discarded, larger ones cut off
+    # Bodies streaming in over HTTP hold their reservations until they end (at most --lease-seconds):
+    # together they may hold half the arena, so slow writers never hoard the room the connector's
+    # saves need. One upload alone may hold any size the arena takes.
+    uploads_cap = store.arena.capacity // 2
+    uploads: dict[int, Slot] = {}  # the reservations of bodies streaming in now
+
+    def uploading() -> int:
+        """The room uploads hold now (a reservation that expired holds none, though its body goes on)."""
+        return sum(slot.length for slot in uploads.values() if store.holds(slot))
 
     async def run(op: str, req: BaseModel) -> Any:
         """One control operation; those that hash or ask Redis run off the event loop."""
@@ -166,11 +175,17 @@ def create_app(sidecar: Sidecar) -> FastAPI:
             raise BodyError(
                 413, f"body of {length} bytes is larger than the largest chunk allowed ({max_chunk})"
             )
+        if (held := uploading()) and held + length > uploads_cap:
+            await _drain(request, length)
+            raise BodyError(
+                503, f"uploads in flight hold {held} bytes, at most {uploads_cap} together: retry later"
+            )
         result, slot = store.reserve_one(key, length, priority)
         if slot is None:
             async for _ in _stream(request):  # drain, so the connection stays usable
                 pass
             return result
+        uploads[id(slot)] = slot
         view = store.arena.view
         pos = slot.offset
         end = slot.offset + slot.length
@@ -197,6 +212,8 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         except BaseException:
             store.abort([slot])
             raise
+        finally:
+            del uploads[id(slot)]
         return PutResult.EXPIRED if expired else store.commit_one(slot, digest.intdigest())
 
     async def _drain(request: Request, limit: int) -> None:

@@ -125,6 +125,11 @@ class Store:
     def _slot(self, e: Entry, gen: int = 0) -> Slot:
         return Slot(e.key, e.offset, e.length, e.checksum if e.stored else None, gen, self.arena.epoch)
 
+    def holds(self, slot: Slot) -> bool:
+        """Whether `slot` is still its writer's reservation (its room is taken)."""
+        with self._lock:
+            return self.index.reserved(slot) is not None
+
     def renew(self, slot: Slot) -> bool:
         """Extends a reservation that is being written (a streamed body); False when it is no longer
         the writer's (expired, or the sidecar restarted): the writer must stop writing at once."""
