@@ -33,7 +33,7 @@ import pytest
 from enginekit import Engine, engine_spec, kvpool_connector
 from kvtest import start_sidecar
 
-from kvpool_connector.tinymodel import TINY_HYBRID, make_model, random_prompt
+from kvpool_connector.tinymodel import TINY_CHUNKED, TINY_HYBRID, make_model, random_prompt
 from kvpool_sidecar.client import SidecarClient
 from kvpool_sidecar.wire import ARENA_FILE
 
@@ -86,6 +86,21 @@ def long_steps(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path) -> 
     return _serve(
         tmp_path_factory.mktemp("hybrid-long"),
         hybrid_model,
+        runs,
+        max_num_batched_tokens=512,
+        max_model_len=1024,
+        enable_prefix_caching=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def chunked_long_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = make_model(tmp_path_factory.mktemp("model") / "tiny-llama4", TINY_CHUNKED)
+    runs = [{"label": "cold", "prompts": [A], "max_tokens": 6}]
+    runs += _runs([("again", A), ("round2", ROUND2), ("round3", ROUND3)])
+    return _serve(
+        tmp_path_factory.mktemp("chunked-long"),
+        model,
         runs,
         max_num_batched_tokens=512,
         max_model_len=1024,
@@ -206,3 +221,18 @@ def test_a_chunk_that_fails_its_checksum_is_recomputed_whole_and_saved_again(cor
     # recomputed and saved again: the next run loads it
     assert corrupt_chunks["again"]["num_cached_tokens"] == 288
     assert corrupt_chunks["again"]["token_ids"] == corrupt_chunks["cold"]["token_ids"]
+
+
+def test_chunked_local_attention_loads_each_round_with_the_hybrid_manager_on(chunked_long_steps) -> None:
+    """Llama 4-style: three of four layers attend within their own 64-token attention chunk (vLLM
+    keeps only the current attention chunk's blocks for them), the fourth to all tokens."""
+    log = chunked_long_steps["log"]
+    assert "Turning off hybrid kv cache manager" not in log
+    for label in ("again", "round2", "round3"):
+        _same_as_reference(chunked_long_steps, label)
+    # the full layer's chunks from the start; the chunked layers' only where they reach past the start
+    # of the attention chunk the hit ends in (vLLM gives the null block before it)
+    assert chunked_long_steps["again"]["num_cached_tokens"] == 288  # A's two chunks and its tail block
+    assert chunked_long_steps["round2"]["num_cached_tokens"] == 288
+    assert chunked_long_steps["round3"]["num_cached_tokens"] == 384
+    assert "Recovered from KV load failure" not in log

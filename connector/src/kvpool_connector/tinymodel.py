@@ -29,6 +29,9 @@ class ModelShape:
     # a DeepSeek-V2 with multi-head latent attention: each layer caches one latent vector per token
     # (512 + 64 rotary dims: the only size vLLM's CPU MLA kernel takes), the same on every TP rank
     mla: bool = False
+    # a Llama 4: chunked local attention (each token attends within its own `attention_chunk`-token
+    # chunk) on every layer but every fourth, which attends to all tokens
+    attention_chunk: int | None = None
     # a Qwen3-Next: gated delta net (linear attention, one running state per request, not per-token
     # KV) and full attention layers alternate, each MLP a mixture of experts; bfloat16 on the CPU
     gdn: bool = False
@@ -52,6 +55,7 @@ TINY = ModelShape()  # head size 64: the CPU backend's smallest common size
 TINY_SWA = ModelShape(sliding_window=64)  # a sliding window of two 32-token blocks
 # Gemma 2-style: windowed and full layers alternate (vLLM's hybrid KV cache manager: two groups)
 TINY_HYBRID = ModelShape(layers=4, sliding_window=64, full_attention_every=2)
+TINY_CHUNKED = ModelShape(layers=4, attention_chunk=64)  # Llama 4-style: 3 chunked local layers, 1 full
 TINY_GDN = ModelShape(gdn=True)  # vLLM's CPU engine runs it in bfloat16 only
 TINY_MLA = ModelShape(heads=4, kv_heads=4, mla=True)  # vLLM's CPU engine runs it with block size 16
 # the demo's: big enough that a 2,000-token prefill takes a visible fraction of a second
@@ -72,7 +76,14 @@ def make_model(directory: Path, shape: ModelShape = TINY, seed: int = 0) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     _make_tokenizer(directory, shape.vocab)
     torch.manual_seed(seed)
-    model = _mla_model(shape) if shape.mla else _gdn_model(shape) if shape.gdn else _llama_model(shape)
+    if shape.mla:
+        model = _mla_model(shape)
+    elif shape.gdn:
+        model = _gdn_model(shape)
+    elif shape.attention_chunk:
+        model = _llama4_model(shape)
+    else:
+        model = _llama_model(shape)
     model.save_pretrained(directory, safe_serialization=True)
     marker.write_text(json.dumps(made))
     return directory
@@ -125,6 +136,22 @@ def _mla_model(shape: ModelShape) -> Any:
         first_k_dense_replace=shape.layers,  # dense MLPs: no experts
     )
     return DeepseekV2ForCausalLM(config).float()
+
+
+def _llama4_model(shape: ModelShape) -> Any:
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        **_config(shape),
+        head_dim=shape.head_size,
+        intermediate_size_mlp=shape.intermediate,
+        attention_chunk_size=shape.attention_chunk,
+        no_rope_layers=[int((i + 1) % 4 != 0) for i in range(shape.layers)],  # 0: a full-attention layer
+        interleave_moe_layer_step=0,  # dense MLPs
+        moe_layers=[],
+        use_qk_norm=False,
+    )
+    return Llama4ForCausalLM(config).float()
 
 
 def _gdn_model(shape: ModelShape) -> Any:
