@@ -109,6 +109,21 @@ def chunked_long_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 
 
 @pytest.fixture(scope="module")
+def chunked_one_block_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model = make_model(tmp_path_factory.mktemp("model") / "tiny-llama4", TINY_CHUNKED)
+    runs = [{"label": "shared", "prompts": [SHARED], "max_tokens": 6}, *_runs([("C", C), ("B", B)])]
+    return _serve(
+        tmp_path_factory.mktemp("chunked-steps"),
+        model,
+        runs,
+        max_num_batched_tokens=32,
+        max_model_len=256,
+        kv_cache_bytes=32 * 32768,  # 32 blocks of one layer: a freed block is handed out again soon
+        enable_prefix_caching=True,
+    )
+
+
+@pytest.fixture(scope="module")
 def one_block_steps(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path) -> dict[str, Any]:
     runs = [{"label": "shared", "prompts": [SHARED], "max_tokens": 6}, *_runs([("C", C), ("B", B)])]
     return _serve(
@@ -236,3 +251,19 @@ def test_chunked_local_attention_loads_each_round_with_the_hybrid_manager_on(chu
     assert chunked_long_steps["round2"]["num_cached_tokens"] == 288
     assert chunked_long_steps["round3"]["num_cached_tokens"] == 384
     assert "Recovered from KV load failure" not in log
+
+
+def test_chunked_local_layers_need_no_block_before_the_attention_chunk_a_hit_ends_in(
+    chunked_one_block_steps,
+) -> None:
+    """One-block prefill steps: SHARED's first chunk completes after its first attention chunk has
+    left the chunked layers, so only the full layer's part of it is saved (a part is saved whole or
+    not at all). A hit ending at 64 needs the full layer's blocks only (the chunked layers' attention
+    chunk starts there), found as that chunk's block prefix: C (which shares 64 tokens) and B (which
+    shares 100, but whose longer hit would need the chunked part that was not saved) load 64."""
+    out = chunked_one_block_steps
+    _same_as_reference(out, "C")
+    _same_as_reference(out, "B")
+    assert out["C"]["num_cached_tokens"] == 64
+    assert out["B"]["num_cached_tokens"] == 64
+    assert "Recovered from KV load failure" not in out["log"]
