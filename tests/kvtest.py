@@ -46,6 +46,18 @@ class Gone(Exception):
     fails at once instead of at its deadline."""
 
 
+def write_auth(arena_dir: Path | str) -> dict[str, str]:
+    """The header HTTP writes to a sidecar carry: its write token, read from beside the arena."""
+    from kvpool_sidecar.wire import WRITE_TOKEN_FILE
+
+    return {"Authorization": "Bearer " + (Path(arena_dir) / WRITE_TOKEN_FILE).read_text()}
+
+
+def auth_line(arena_dir: Path | str) -> str:
+    """write_auth as a header line, for hand-made requests."""
+    return "".join(f"{k}: {v}\r\n" for k, v in write_auth(arena_dir).items())
+
+
 def wait_until(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
     """Polls `condition` until it returns a truthy value; fails with `what` at the deadline."""
     deadline = time.monotonic() + timeout
@@ -265,5 +277,7 @@ def start_sidecar(
     except TimeoutError:
         proc.kill()
         raise RuntimeError(f"sidecar did not start:\n{proc.output()}") from None
+    if "--arena-dir" in extra:  # the last one given wins, as argparse reads them
+        arena_dir = Path(extra[len(extra) - 1 - list(reversed(extra)).index("--arena-dir") + 1])
     proc.info.update(url=url, port=port, arena_dir=arena_dir)
     return proc

@@ -70,6 +70,7 @@ def test_files_are_group_only_where_their_users_share_a_group(tmp_path) -> None:
         try:
             assert _mode(directory / "arena") == mode
             assert _mode(directory / "control.sock") == mode
+            assert _mode(directory / "write-token") == mode
         finally:
             proc.stop()
 
@@ -87,6 +88,47 @@ def test_without_a_shared_group_another_user_can_neither_write_the_arena_nor_rea
     finally:
         proc.stop()
         shutil.rmtree(directory)
+
+
+def test_http_writes_need_the_write_token_which_only_the_arenas_users_can_read() -> None:
+    """The data API listens on loopback, which every user of a bare host reaches: without the token
+    beside the arena, a PUT that vLLM would load is refused (on the code before it, one with no
+    credentials was stored: 201). Reads need no token: they change nothing."""
+    directory = Path(tempfile.mkdtemp(prefix="kvpool-token-", dir="/dev/shm"))
+    os.chmod(directory, 0o755)
+    proc = start_sidecar(directory, "1Mi", [], "--arena-dir", str(directory))
+    url = proc.info["url"]
+    try:
+        assert _as_nobody(f"open({str(directory / 'write-token')!r})") == "PermissionError"
+        planted = key(7, "planted")
+        for auth in ({}, {"Authorization": "Bearer " + "0" * 64}, {"Authorization": "Basic eDp5"}):
+            status, answer = http_json(f"{url}/v1/chunks/{planted}", "PUT", b"\0" * 4096, auth)
+            assert status == 401 and "write-token" in answer["error"], answer
+        assert http_json(f"{url}/v1/arena/reserve", "POST", b'{"items": []}')[0] == 401
+        assert http_json(f"{url}/v1/chunks/{planted}", "DELETE")[0] == 401
+        assert http_json(f"{url}/v1/chunks/{planted}")[0] == 404  # nothing stored; reads need no token
+        c = SidecarClient(url, timeout=5)  # a user who can read the token file, as vLLM can
+        assert c.put(planted, b"own") and c.get(planted) == b"own"
+    finally:
+        proc.stop()
+        shutil.rmtree(directory)
+
+
+def test_a_client_reads_the_new_token_of_a_restarted_sidecar(tmp_path) -> None:
+    """Each start writes a new token; a vLLM that outlives its sidecar's restart keeps writing."""
+    directory = tmp_path / "kept"
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), "--keep-arena")
+    c = SidecarClient(proc.info["url"], timeout=5)
+    assert c.put(key(1, "before"), b"x")
+    old = (directory / "write-token").read_text()
+    proc.stop()
+    assert not (directory / "write-token").exists()
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), port=proc.info["port"])
+    try:
+        assert (directory / "write-token").read_text() != old
+        assert c.put(key(2, "after"), b"y") and c.get(key(2, "after")) == b"y"
+    finally:
+        proc.stop()
 
 
 def _as_nobody(statement: str) -> str:
@@ -154,6 +196,7 @@ def test_the_arena_file_goes_when_the_sidecar_stops_unless_it_is_kept(tmp_path) 
     proc.stop()  # SIGTERM, as at a pod's deletion or a host's service stop
     assert not arena.exists()
     assert not (proc.info["arena_dir"] / "control.sock").exists()
+    assert not (proc.info["arena_dir"] / "write-token").exists()
     kept = start_sidecar(tmp_path, "1Mi", [], "--keep-arena")
     kept.stop()
     assert (kept.info["arena_dir"] / "arena").exists()

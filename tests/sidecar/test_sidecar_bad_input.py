@@ -8,7 +8,7 @@ import struct
 from collections.abc import Iterator
 
 import pytest
-from kvtest import Proc, start_sidecar, wait_until
+from kvtest import Proc, auth_line, start_sidecar, wait_until, write_auth
 from sidecar_support import http_json, key, load, save
 
 from kvpool_sidecar.client import SidecarClient, SidecarError
@@ -70,7 +70,7 @@ def test_bad_request_gets_a_json_error_and_commits_nothing(
     sidecar, method, path, body, headers, status
 ) -> None:
     url = sidecar.info["url"]
-    got, answer = http_json(url + path, method, body, headers)
+    got, answer = http_json(url + path, method, body, {**headers, **write_auth(sidecar.info["arena_dir"])})
     assert got == status, answer
     if status != 404 or isinstance(answer, dict):
         assert isinstance(answer, dict) and answer["error"], answer
@@ -87,7 +87,8 @@ def test_chunked_body_over_the_limit_is_refused(sidecar) -> None:
 
     import urllib.request
 
-    req = urllib.request.Request(f"{url}/v1/chunks/{GOOD}", data=body(), method="PUT")
+    auth = write_auth(sidecar.info["arena_dir"])
+    req = urllib.request.Request(f"{url}/v1/chunks/{GOOD}", data=body(), method="PUT", headers=auth)
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=10)
     assert e.value.code == 413 and json.loads(e.value.read())["error"]
@@ -111,8 +112,9 @@ def raw(port: int, head: bytes, body: bytes, close_write: bool) -> bytes:
 
 def test_a_lying_content_length_commits_nothing(sidecar) -> None:
     port, url = sidecar.info["port"], sidecar.info["url"]
+    auth = auth_line(sidecar.info["arena_dir"])
     head = (
-        f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+        f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/octet-stream\r\n"
         f"Content-Length: 100000\r\n\r\n"
     ).encode()
     answer = raw(port, head, b"only this much", close_write=True)  # says 100000, sends 14, then EOF
@@ -121,7 +123,7 @@ def test_a_lying_content_length_commits_nothing(sidecar) -> None:
     wait_until(lambda: nothing_committed(c), 10, "the reservation of the lying upload to be given back")
     assert c.lookup([GOOD]) == 0
     # a Content-Length larger than allowed is refused before any byte is read
-    head = f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Length: {2**30}\r\n\r\n".encode()
+    head = f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {2**30}\r\n\r\n".encode()
     answer = raw(port, head, b"tiny", close_write=True)
     assert b" 413 " in answer.split(b"\r\n")[0] and b'"error"' in answer
     assert nothing_committed(c)
@@ -130,9 +132,10 @@ def test_a_lying_content_length_commits_nothing(sidecar) -> None:
 
 def test_a_client_disconnecting_mid_upload_commits_nothing(sidecar) -> None:
     port, url = sidecar.info["port"], sidecar.info["url"]
+    auth = auth_line(sidecar.info["arena_dir"])
     c = SidecarClient(url)
     for sent in (0, 1, 300_000):
-        head = f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Length: {2**20}\r\n\r\n".encode()
+        head = f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {2**20}\r\n\r\n".encode()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(head + b"q" * sent)
             wait_until(lambda: c.stats()["reserved_chunks"] == 1, 10, "the upload to start")
@@ -201,10 +204,13 @@ def test_a_body_trickled_slower_than_its_lease_holds_no_room(tmp_path) -> None:
     """A PUT renews its reservation with each piece, but never past --lease-seconds from its start:
     four clients trickling a byte at a time held the whole arena for 48 s."""
     proc = start_sidecar(tmp_path, "64Ki", [], "--lease-seconds", "1")
+    auth = auth_line(proc.info["arena_dir"])
     try:
         c = SidecarClient(proc.info["url"], timeout=5)
         with socket.create_connection(("127.0.0.1", proc.info["port"]), timeout=10) as s:
-            s.sendall(f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Length: 65536\r\n\r\n".encode())
+            s.sendall(
+                f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 65536\r\n\r\n".encode()
+            )
             s.sendall(b"t")
             wait_until(lambda: c.stats()["reserved_chunks"] == 1, 10, "the slow PUT's reservation")
             s.settimeout(0.2)
@@ -233,10 +239,13 @@ def test_slow_uploads_together_hold_at_most_half_the_arena(tmp_path) -> None:
     """Bodies streaming in hold their reservations until they end: a second upload that would take
     uploads past half the arena is refused at once, and the connector's saves keep their room."""
     proc = start_sidecar(tmp_path, "64Ki", [], "--lease-seconds", "30")
+    auth = auth_line(proc.info["arena_dir"])
     try:
         c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(proc.info["arena_dir"]))
         with socket.create_connection(("127.0.0.1", proc.info["port"]), timeout=10) as s:
-            s.sendall(f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\nContent-Length: 32768\r\n\r\nt".encode())
+            s.sendall(
+                f"PUT /v1/chunks/{GOOD} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 32768\r\n\r\nt".encode()
+            )
             wait_until(lambda: c.stats()["reserved_chunks"] == 1, 10, "the slow upload's reservation")
             with pytest.raises(SidecarError, match="at most 32768 together"):
                 c.put(key(4, "second"), b"s" * 16384)

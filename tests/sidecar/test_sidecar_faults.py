@@ -9,7 +9,7 @@ import socket
 import threading
 import urllib.parse
 
-from kvtest import redis_call, redis_with, start_sidecar, wait_until
+from kvtest import auth_line, redis_call, redis_with, start_sidecar, wait_until
 from sidecar_support import key, load, payload, redis_stats, save
 
 from kvpool_sidecar.client import SidecarClient, checksum
@@ -64,7 +64,8 @@ def test_a_slow_put_past_its_reservation_stores_nothing_and_overwrites_nothing(s
     url = urllib.parse.urlsplit(proc.info["url"])
     slow, fast = payload(CHUNK, 5), payload(CHUNK, 6)
     with socket.create_connection((url.hostname, url.port), timeout=10) as s:
-        head = f"PUT /v1/chunks/{key(5, 'slow')} HTTP/1.1\r\nHost: x\r\nContent-Length: {CHUNK}\r\n\r\n"
+        auth = auth_line(proc.info["arena_dir"])
+        head = f"PUT /v1/chunks/{key(5, 'slow')} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {CHUNK}\r\n\r\n"
         s.sendall(head.encode() + slow[: CHUNK // 2])
         wait_until(lambda: c.stats()["reserved_chunks"] == 1, 10, "the PUT to reserve its slot")
         wait_until(lambda: c.stats()["reservations_expired"] == 1, 10, "the PUT's reservation to expire")

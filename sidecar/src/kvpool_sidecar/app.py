@@ -7,10 +7,11 @@ import time
 from typing import Annotated, Any, Literal
 
 import xxhash
-from fastapi import FastAPI, Header, HTTPException, Path, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -20,14 +21,18 @@ from kvpool_sidecar import schemas as s
 from kvpool_sidecar.body_limit import BoundedJsonBodies
 from kvpool_sidecar.service import Sidecar
 from kvpool_sidecar.store import PutResult
-from kvpool_sidecar.wire import KEY_PATTERN, Slot
+from kvpool_sidecar.wire import KEY_PATTERN, WRITE_TOKEN_FILE, Slot
 
 log = logging.getLogger(__name__)
 
 KeyPath = Annotated[str, Path(pattern=KEY_PATTERN, description="lowercase hex, 32..128 characters")]
+# HTTP writes carry the write token (write_token.py); FastAPI's scheme puts it in the OpenAPI document
+BEARER = HTTPBearer(auto_error=False, description=f"the token in <arena dir>/{WRITE_TOKEN_FILE}")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": s.Error},
+    401: {"model": s.Error},
     413: {"model": s.Error},
     422: {"model": s.Error},
 }
@@ -106,6 +111,16 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     _add_status_routes(app, sidecar)
     store = sidecar.store
     max_chunk = sidecar.settings.max_chunk_bytes
+
+    async def authorized(credentials: Credentials) -> None:
+        if not sidecar.token.admits(credentials.credentials if credentials else None):
+            raise HTTPException(
+                401,
+                f"writes need the token in {sidecar.token.path} (Authorization: Bearer <token>)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    writes = [Depends(authorized)]  # every route that changes what is stored or held
     drain_limit = 4 * max_chunk  # oversized bodies up to this are read and discarded, larger ones cut off
     # Bodies streaming in over HTTP hold their reservations until they end (at most --lease-seconds):
     # together they may hold half the arena, so slow writers never hoard the room the connector's
@@ -131,6 +146,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         "/v1/chunks/{key}",
         tags=["chunks"],
         status_code=201,
+        dependencies=writes,
         responses={200: {"description": "already stored"}, 507: {"model": s.Error}, **ERRORS},
         openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": BINARY}}},
     )
@@ -244,12 +260,29 @@ def create_app(sidecar: Sidecar) -> FastAPI:
         return Response(content=data, media_type="application/octet-stream")
 
     @app.delete(
-        "/v1/chunks/{key}", tags=["chunks"], status_code=204, responses={404: {"model": s.Error}, **ERRORS}
+        "/v1/chunks/{key}",
+        tags=["chunks"],
+        status_code=204,
+        responses={404: {"model": s.Error}, **ERRORS},
+        dependencies=writes,
     )
     async def delete_chunk(key: KeyPath) -> Response:
         found = await run_in_threadpool(store.delete, key) if store.lower is not None else store.delete(key)
         if not found:
             raise HTTPException(404, "no such chunk")
+        return Response(status_code=204)
+
+    @app.put(
+        "/v1/engines/{engine}",
+        tags=["engines"],
+        status_code=204,
+        responses=ERRORS,
+        dependencies=writes,
+    )
+    async def engine_report(
+        engine: Annotated[str, Path(pattern=s.ENGINE_PATTERN)], report: s.EngineReport
+    ) -> Response:
+        sidecar.engine_reported(engine, report.model_dump())
         return Response(status_code=204)
 
     @app.get("/v1/arena", tags=["arena"])
@@ -261,27 +294,27 @@ def create_app(sidecar: Sidecar) -> FastAPI:
             max_chunk_bytes=max_chunk,
         )
 
-    @app.post("/v1/arena/reserve", tags=["arena"], responses=ERRORS)
+    @app.post("/v1/arena/reserve", tags=["arena"], responses=ERRORS, dependencies=writes)
     async def reserve(req: s.ReserveRequest) -> s.ReserveResponse:
         return await run("reserve", req)
 
-    @app.post("/v1/arena/commit", tags=["arena"], responses=ERRORS)
+    @app.post("/v1/arena/commit", tags=["arena"], responses=ERRORS, dependencies=writes)
     async def commit(req: s.CommitRequest) -> s.CommitResponse:
         return await run("commit", req)
 
-    @app.post("/v1/arena/abort", tags=["arena"], responses=ERRORS)
+    @app.post("/v1/arena/abort", tags=["arena"], responses=ERRORS, dependencies=writes)
     async def abort(req: s.AbortRequest) -> dict:
         return await run("abort", req)
 
-    @app.post("/v1/arena/pin", tags=["arena"], responses=ERRORS)
+    @app.post("/v1/arena/pin", tags=["arena"], responses=ERRORS, dependencies=writes)
     async def pin(req: s.PinRequest) -> s.PinResponse:
         return await run("pin", req)
 
-    @app.post("/v1/arena/verify", tags=["arena"], responses=ERRORS)
+    @app.post("/v1/arena/verify", tags=["arena"], responses=ERRORS, dependencies=writes)
     async def verify(req: s.VerifyRequest) -> s.VerifyResponse:
         return await run("verify", req)
 
-    @app.post("/v1/arena/release", tags=["arena"], responses=ERRORS)
+    @app.post("/v1/arena/release", tags=["arena"], responses=ERRORS, dependencies=writes)
     async def release(req: s.ReleaseRequest) -> s.ReleaseResponse:
         return await run("release", req)
 

@@ -30,6 +30,7 @@ from kvpool_sidecar.wire import (
     CONTROL_SOCKET,
     FRAME_HEADER,
     MAX_FRAME_BYTES,
+    WRITE_TOKEN_FILE,
     Pinned,
     Slot,
     checksum,
@@ -151,6 +152,7 @@ class SidecarClient:
         self._arena_path: str | None = None
         self._arena_identity = (-1, -1)
         self._arena_lock = threading.Lock()
+        self._token: str | None = None
 
     # --- transport ---------------------------------------------------------------------------------
 
@@ -160,6 +162,36 @@ class SidecarClient:
         path: str,
         body: bytes | bytearray | memoryview | None = None,
         headers: dict[str, str] | None = None,
+    ) -> tuple[int, bytes]:
+        """One HTTP round trip; a write carries the sidecar's write token, read again once on 401 (a
+        restarted sidecar has a new one)."""
+        if method == "GET" or not path.startswith("/v1/"):
+            return self._send(method, path, body, headers)
+        for fresh in (False, True):
+            token = self._write_token(fresh)
+            auth = {**(headers or {}), "Authorization": f"Bearer {token}"} if token else headers
+            status, data = self._send(method, path, body, auth)
+            if status != 401 or fresh:
+                break
+        return status, data
+
+    def _write_token(self, fresh: bool) -> str | None:
+        """The token beside the arena; None where this process may not read it (so may not write)."""
+        if self._token is None or fresh:
+            directory = self._shm_path or os.path.dirname(self._arena_file())
+            try:
+                with open(os.path.join(directory, WRITE_TOKEN_FILE), encoding="ascii") as f:
+                    self._token = f.read().strip()
+            except (OSError, ValueError):
+                self._token = None
+        return self._token
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: bytes | bytearray | memoryview | None,
+        headers: dict[str, str] | None,
     ) -> tuple[int, bytes]:
         for attempt in (0, 1):
             try:
@@ -312,6 +344,10 @@ class SidecarClient:
         if status == 404:
             return False
         raise _status_error(status, f"DELETE chunk {key}: HTTP {status}: {_error_text(body)}")
+
+    def report_engine(self, engine: str, report: Mapping[str, Any]) -> None:
+        """PUT /v1/engines/<engine>: whether kvpool serves this vLLM engine (schemas.EngineReport)."""
+        self._json("PUT", f"/v1/engines/{engine}", dict(report), ok=(204,))
 
     # --- zero-copy arena path: one round trip per batch ---------------------------------------------
 

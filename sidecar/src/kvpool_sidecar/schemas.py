@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -116,6 +116,19 @@ class ReleaseRequest(_Strict):
 
 class ReleaseResponse(BaseModel):
     released: bool
+
+
+ENGINE_PATTERN = "^[A-Za-z0-9._-]{1,64}$"
+
+
+class EngineReport(_Strict):
+    """What a vLLM engine's connector says of itself at start, for the pool's status: whether kvpool
+    serves it, and whether its chunks are shared with other pods."""
+
+    cache: Literal["on", "off"]
+    reason: str = Field("", max_length=2000)  # why it is off, or why it does not share
+    shared: bool = True  # False: its weights could not be fingerprinted, so its keys are its own
+    model: str = Field("", max_length=1000)
 
 
 class ArenaInfo(BaseModel):

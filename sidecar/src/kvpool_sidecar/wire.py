@@ -19,6 +19,10 @@ KEY_PATTERN = "^[0-9a-f]{32,128}$"
 
 ARENA_FILE = "arena"
 CONTROL_SOCKET = "control.sock"
+# Beside the arena, with its mode: the token HTTP writes must carry (Authorization: Bearer <token>).
+# The data API listens on loopback, which every user of a bare host can reach; the token makes HTTP
+# writes need what mapping the arena needs: the files' user or group.
+WRITE_TOKEN_FILE = "write-token"
 
 # The arena file starts with a header page: magic, then the epoch of the sidecar that serves it (a
 # random number per start). Every reserve and pin answer names its epoch; a client uses the offsets
