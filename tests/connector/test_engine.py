@@ -110,6 +110,9 @@ def test_warm_run_loads_its_prefix_and_matches_cold_bit_for_bit(story: dict[str,
     assert _out(story["cold"])["num_cached_tokens"] == 0
     assert _out(story["warm"])["num_cached_tokens"] == WARM_TOKENS  # prefix caching is off: all from kvpool
     _same(story["warm"], story["cold"])
+    # what the engine told its sidecar at start, for the pool's status: served, shared across pods
+    report = story["stats_after_corrupt"]["engines"]["dp0"]
+    assert (report["cache"], report["shared"]) == ("on", True), report
 
 
 def test_priority_limit_and_skip_save(story: dict[str, Any]) -> None:

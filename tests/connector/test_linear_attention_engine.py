@@ -55,6 +55,8 @@ def test_kvpool_turns_itself_off_for_a_model_with_recurrent_state_and_vllm_serve
         assert mine["token_ids"] == ref["token_ids"]
         assert mine["logprobs"] == ref["logprobs"]  # as without a connector, bit for bit
     assert stats["hits"] + stats["misses"] == 0 and stats["chunks"] == 0  # never asked, never saved
+    (report,) = stats["engines"].values()  # what the pool's status reads (CacheOff)
+    assert report["cache"] == "off" and "MambaSpec" in report["reason"], report
     log = (tmp_path / "kvpool.log").read_text()
     assert "kvpool cannot cache a model with state that is not per-token KV (MambaSpec" in log
     assert "kvpool is off for this engine" in log

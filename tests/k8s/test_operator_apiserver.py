@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from controlplane import ControlPlane, condition, get_json
 from kubelet import CUSTOM_STATUS
-from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until
+from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until, write_auth
 from operatorkit import (
     RELEASE,
     RELEASE_NAMESPACE,
@@ -217,7 +217,7 @@ def test_pool_status_counts_pods_and_reads_their_real_sidecars(operator: tuple, 
             address = ["--status-host", pod["status"]["podIP"], "--status-port", str(status_port)]
             sidecars.append(start_sidecar(tmp_path / pod["metadata"]["name"], "64Mi", [], *address))
         key = "ab" * 16
-        _put_and_get(sidecars[0].info["url"], key)
+        _put_and_get(sidecars[0], key)
 
         def counted() -> dict[str, Any] | None:
             s = pool_status(cp, ns, "llama")
@@ -240,9 +240,12 @@ def test_pool_status_counts_pods_and_reads_their_real_sidecars(operator: tuple, 
             proc.stop()
 
 
-def _put_and_get(url: str, key: str) -> None:
-    request = urllib.request.Request(f"{url}/v1/chunks/{key}", data=b"x" * 4096, method="PUT",
-                                     headers={"Content-Type": "application/octet-stream"})  # fmt: skip
+def _put_and_get(proc: Proc, key: str) -> None:
+    url = proc.info["url"]
+    headers = {"Content-Type": "application/octet-stream", **write_auth(proc.info["arena_dir"])}
+    request = urllib.request.Request(
+        f"{url}/v1/chunks/{key}", data=b"x" * 4096, method="PUT", headers=headers
+    )
     urllib.request.urlopen(request, timeout=5).close()
     with urllib.request.urlopen(f"{url}/v1/chunks/{key}", timeout=5) as r:
         assert r.read() == b"x" * 4096
@@ -538,7 +541,7 @@ def test_missing_objects_and_an_unreachable_redis_keep_no_pod_from_starting(
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{status_port}/readyz?tier=cpu", timeout=5) as r:
             assert r.status == 200
-        _put_and_get(proc.info["url"], "cd" * 16)
+        _put_and_get(proc, "cd" * 16)
     finally:
         proc.stop()
 
@@ -630,7 +633,7 @@ def _pod_with_sidecar(
     redis_urls: list[str] = (),
     *extra: str,
     env: dict[str, str] | None = None,
-) -> dict[str, Any]:
+) -> Proc:
     """One injected vLLM pod, Running and Ready (kwok), and its sidecar: the real process on the pod's
     address with the pool's status port, kept up until the module ends."""
     apply(cp, bare_pod(ns, "vllm", container("vllm", **VLLM)))
@@ -640,7 +643,7 @@ def _pod_with_sidecar(
     address = ["--status-host", pod["status"]["podIP"], "--status-port", port]
     proc = start_sidecar(workdir, "64Mi", list(redis_urls), *address, *extra, env=env)
     kept.callback(proc.stop)
-    return pod
+    return proc
 
 
 def _pool_key(cp: ControlPlane, ns: str) -> str:
@@ -692,6 +695,26 @@ def test_an_unreachable_redis_is_said(operator: tuple, kept: contextlib.ExitStac
     _pod_with_sidecar(cp, kept, tmp_path, ns, [url], "--pool-key-required", env=env)
     ready = wait_until(lambda: not_ready_for(cp, ns, "RedisUnreachable"), 60, "RedisUnreachable")
     assert "ConnectionError" in ready["message"]
+    BROKEN.append(ns)
+
+
+def test_a_pod_whose_vllm_runs_without_kvpool_keeps_the_pool_from_ready(
+    operator: tuple, kept: contextlib.ExitStack, tmp_path: Path
+) -> None:
+    """kvpool turns itself off in a vLLM whose model it cannot cache (a Mamba hybrid); the engine tells
+    its sidecar (the report the connector sends: tests/connector/test_linear_attention_engine.py).
+    Before, the pool said Ready: only the engine log said the cache was off."""
+    cp, _ = operator
+    ns = namespace(cp, "vllm-cache-off")
+    apply(cp, cpu_pool(ns))
+    sidecar = _pod_with_sidecar(cp, kept, tmp_path, ns)
+    wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool Ready")
+    client = SidecarClient(sidecar.info["url"], timeout=5)
+    why = "kvpool cannot cache a model with state that is not per-token KV (MambaSpec)"
+    off = {"cache": "off", "model": "tiny-qwen3-next", "reason": why}
+    client.report_engine("dp0", off)
+    ready = wait_until(lambda: not_ready_for(cp, ns, "CacheOff"), 60, "CacheOff")
+    assert "not per-token KV" in ready["message"] and "tiny-qwen3-next" in ready["message"]
     BROKEN.append(ns)
 
 
@@ -748,10 +771,10 @@ def test_kubectl_wait_for_ready_times_out_on_every_broken_pool_and_succeeds_on_a
     operator: tuple,
 ) -> None:
     """The review's broken pools (an unlabelled namespace, every pod over a LimitRange, a quota that
-    refuses the ConfigMap, a missing password Secret, an unreachable Redis, a crash-looping vLLM) all
-    said Ready before. The waits run side by side: one 30 s for all."""
+    refuses the ConfigMap, a missing password Secret, an unreachable Redis, a crash-looping vLLM, a vLLM
+    kvpool is off in) all said Ready before. The waits run side by side: one 30 s for all."""
     cp, _ = operator
-    assert len(BROKEN) == 6, BROKEN
+    assert len(BROKEN) == 7, BROKEN
 
     def wait(ns: str) -> subprocess.CompletedProcess:
         return cp.kubectl_result("-n", ns, "wait", "--for=condition=Ready", "--timeout=30s", "kvp/llama",

@@ -92,8 +92,17 @@ def counts(**kw: Any) -> PodCounts:
     return PodCounts(**{"matched": 2, "ready": 2, "outdated": 0, "injected": 2, **kw})
 
 
-def stats(redis: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"hits": 1, "tiers": {"cpu": {}, **({"redis": redis} if redis else {})}}
+def stats(redis: dict[str, Any] | None = None, **engines: dict[str, Any]) -> dict[str, Any]:
+    engines = engines or {"dp0": {"cache": "on", "shared": True, "reason": "", "model": "m"}}
+    return {"hits": 1, "tiers": {"cpu": {}, **({"redis": redis} if redis else {})}, "engines": engines}
+
+
+OFF = {
+    "cache": "off",
+    "reason": "kvpool cannot cache a model with state that is not per-token KV",
+    "model": "q",
+}
+PRIVATE = {"cache": "on", "shared": False, "reason": "its weights cannot be read", "model": "s3://m"}
 
 
 @pytest.mark.parametrize(
@@ -119,6 +128,7 @@ def stats(redis: dict[str, Any] | None = None) -> dict[str, Any]:
                                             "ConnectionError: Connection refused"})] * 2),
          "RedisUnreachable"),
         (Seen(True, None, counts(), [stats(), stats()], tier=(2, 0)), "SharedTierStarting"),
+        (Seen(True, None, counts(), [stats(), stats(dp0=OFF)]), "CacheOff"),
         (Seen(True, None, counts(), [stats(), stats()],
               vllm_breaker={"images": [{"image": "i", "pod": "p", "reason": "CrashLoopBackOff"}]}),
          "VLLMFailing"),
@@ -148,6 +158,17 @@ def test_unseen_pods_are_named_in_the_message() -> None:
 def test_a_shard_short_degrades_but_a_serving_pool_stays_ready() -> None:
     ready, degraded = assess(Seen(True, None, counts(), [stats(), stats()], tier=(3, 2)))
     assert (ready.status, degraded.status, degraded.reason) == (True, True, "ShardsNotReady")
+
+
+def test_an_engine_kvpool_is_off_in_keeps_the_pool_from_ready_one_that_shares_nothing_degrades() -> None:
+    ready, degraded = assess(Seen(True, None, counts(), [stats(), stats(dp0=OFF)]))
+    assert (ready.status, ready.reason) == (False, "CacheOff")
+    assert "1 of 2 pod(s)" in ready.message and "not per-token KV" in ready.message
+    ready, degraded = assess(Seen(True, None, counts(), [stats(dp0=PRIVATE, dp1=PRIVATE), stats()]))
+    assert (ready.status, degraded.status, degraded.reason) == (True, True, "NotSharedAcrossPods")
+    assert "1 of 2 pod(s)" in degraded.message and "s3://m" in degraded.message
+    ready, _ = assess(Seen(True, None, counts(), [{"hits": 1, "tiers": {}}] * 2))  # an older sidecar
+    assert ready.reason == "Serving"
 
 
 # --- the vLLM breaker -------------------------------------------------------------------------------

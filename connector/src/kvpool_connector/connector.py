@@ -15,8 +15,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from .common import KVPoolMetadata
 from .config import load_config
+from .engine_report import engine_name, report_engine
 from .logs import connector_logger
 from .metrics import KVPoolPromMetrics, KVPoolStats, build_stats
+from .model_identity import PRIVATE_WEIGHTS
 from .namespace import engine_namespace, out_of_window, stored_groups, tp_replicated
 from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
@@ -87,15 +89,23 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             if role == KVConnectorRole.SCHEDULER:  # once per engine
                 log.error("%s kvpool is off for this engine: vLLM serves it without a cache.", e)
         self._groups = [list(g.layer_names) for g in groups]
+        model = str(vllm_config.model_config.model)
         if self.off is not None:
             if role != KVConnectorRole.SCHEDULER:
                 self.worker = KVPoolWorker(self.cfg, 0, saves=False)  # only ever sees empty steps
+            else:
+                report: dict[str, Any] = {"cache": "off", "reason": self.off, "model": model}
+                report_engine(self.cfg, engine_name(vllm_config), report)
         elif role == KVConnectorRole.SCHEDULER:
             namespace = engine_namespace(
                 vllm_config, kv_cache_config, self.cfg.chunk_size, self.cfg.model_fingerprint
             )
             windows = [out_of_window(g.kv_cache_spec) for g in groups]
             self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size, windows=windows)
+            shared = not namespace.weights.startswith(PRIVATE_WEIGHTS)
+            why = "" if shared else "its weights cannot be read to fingerprint them: set model_fingerprint"
+            report = {"cache": "on", "shared": shared, "reason": why, "model": model}
+            report_engine(self.cfg, engine_name(vllm_config), report)
         else:
             rank, saves = _worker_rank(
                 vllm_config.parallel_config.tensor_parallel_size, tp_replicated(groups)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = connector_logger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".msgpack", ".h5", ".npz")
+PRIVATE_WEIGHTS = "private:"  # an identity of this engine's own: its chunks are never shared
 WINDOWS = 16
 WINDOW_BYTES = 64 * 1024
 _MAX_SAFETENSORS_HEADER = 100 * 2**20
@@ -115,4 +116,4 @@ def model_weights_identity(
         "kv_connector_extra_config to a name for exactly these weights (e.g. their version)",
         streamed or model.model,
     )
-    return f"private:{secrets.token_hex(16)}"
+    return f"{PRIVATE_WEIGHTS}{secrets.token_hex(16)}"

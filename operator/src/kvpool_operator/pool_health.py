@@ -4,16 +4,18 @@ serves, so `kubectl wait --for=condition=Ready` means something.
 Ready is True when the operator has handled the pool's current spec and nothing it created was
 refused; every pod the pool matches carries the cache (none skipped, none the webhook never saw);
 the sidecar of every injected Ready pod answers /stats; their Redis tier, if any, is up and lets them
-in; and no breaker is open. With no matched pod yet, a pool that is otherwise fine is Ready: it will
-serve the pods created from now on (a Deployment applied after its pool must not wait on it). Pods
-still starting are not judged (a rolling update does not flap the pool), but a pool whose pods are
-all starting is not Ready yet.
+in; kvpool is on in every vLLM engine that reported to them (it turns itself off for a model it
+cannot cache: CacheOff); and no breaker is open. An engine whose chunks stay its own (weights it
+cannot fingerprint) only degrades the pool: it still serves its own pod. With no matched pod yet, a
+pool that is otherwise fine is Ready: it will serve the pods created from now on (a Deployment
+applied after its pool must not wait on it). Pods still starting are not judged (a rolling update
+does not flap the pool), but a pool whose pods are all starting is not Ready yet.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +119,33 @@ def _problems(seen: Seen) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]
             f"{silent} of {len(seen.sidecars)} ready pod(s)' sidecars do not answer /stats (not running, "
             "or a NetworkPolicy keeps the operator from their status port)",
         ))  # fmt: skip
-    blocking += _redis_problems([s for s in seen.sidecars if s is not None])
+    answered = [s for s in seen.sidecars if s is not None]
+    blocking += _redis_problems(answered)
+    off, private = _engine_problems(answered)
+    blocking += off
+    degrading += private
+    return blocking, degrading
+
+
+def _engine_problems(stats: list[Mapping[str, Any]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """CacheOff / NotSharedAcrossPods from what each pod's vLLM engines told their sidecar at start."""
+    pods = [list((s.get("engines") or {}).values()) for s in stats]
+    off = _first_per_pod(pods, lambda e: e.get("cache") == "off")
+    private = _first_per_pod(pods, lambda e: e.get("cache") == "on" and e.get("shared") is False)
+    blocking: list[tuple[str, str]] = []
+    degrading: list[tuple[str, str]] = []
+    if off:
+        blocking.append((
+            "CacheOff",
+            f"kvpool is off in the vLLM of {len(off)} of {len(stats)} pod(s), which serve without the cache: "
+            f"{off[0].get('reason')} (model {off[0].get('model')})",
+        ))  # fmt: skip
+    if private:
+        degrading.append((
+            "NotSharedAcrossPods",
+            f"the vLLM of {len(private)} of {len(stats)} pod(s) keep their chunks to themselves: "
+            f"{private[0].get('reason')} (model {private[0].get('model')})",
+        ))  # fmt: skip
     return blocking, degrading
 
 
@@ -141,6 +169,11 @@ def _redis_problems(stats: list[Mapping[str, Any]]) -> list[tuple[str, str]]:
             f"{unreachable[0].get('reason')}",
         ))  # fmt: skip
     return found
+
+
+def _first_per_pod(pods: list[list[Any]], found: Callable[[Any], bool]) -> list[Any]:
+    """Each pod's first engine for which `found` holds; pods with none are left out."""
+    return [next(e for e in engines if found(e)) for engines in pods if any(found(e) for e in engines)]
 
 
 def _names(pods: list[str]) -> str:
