@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpool_sidecar.client import SidecarClient
 
 
 @dataclass(frozen=True)
@@ -66,3 +69,10 @@ def load_config(extra: Mapping[str, Any] | None) -> tuple[KVPoolConfig, list[str
         else:
             warnings.append(f"kvpool: unknown kv_connector_extra_config key {key!r} ignored")
     return KVPoolConfig(**values), warnings
+
+
+def sidecar_client(cfg: KVPoolConfig) -> SidecarClient:
+    """The one way the connector reaches its pod's sidecar (scheduler, workers, the engine report)."""
+    from kvpool_sidecar.client import SidecarClient
+
+    return SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarRefused
 
-from .config import KVPoolConfig
+from .config import KVPoolConfig, sidecar_client
 from .logs import connector_logger
 
 log = connector_logger(__name__)
@@ -27,7 +27,7 @@ def engine_name(vllm_config: Any) -> str:
 def report_engine(cfg: KVPoolConfig, engine: str, report: dict[str, Any]) -> threading.Thread | None:
     """Sends `report` (the sidecar's EngineReport) now; if the sidecar does not answer, again in the
     background until it does. A report that cannot be sent costs nothing but the pool's status."""
-    client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
+    client = sidecar_client(cfg)
     if _send(client, engine, report):
         client.close()
         return None

@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarTimeout
+from kvpool_sidecar.client import SidecarError, SidecarTimeout
 
 from .breaker import BREAKER_SECONDS, Breaker
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
-from .config import KVPoolConfig
+from .config import KVPoolConfig, sidecar_client
 from .keys import Extras, Namespace, chain, group_link, new_generation, rank_key
 from .logs import connector_logger
 from .metrics import KVPoolStats
@@ -91,7 +91,7 @@ class KVPoolScheduler:
         self._clock = clock
         self._steps = 0  # schedule() calls so far
         self._warn = RateLimitedLog(log)
-        self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
+        self.client = sidecar_client(cfg)
         self.reqs: dict[str, _ReqState] = {}
         self.stats = KVPoolStats()
 

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarRefused, SidecarTimeout, Slot, checksum
+from kvpool_sidecar.client import SidecarError, SidecarRefused, SidecarTimeout, Slot, checksum
 from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
 from .arena_mapping import ArenaMapping
 from .breaker import Breaker
 from .chunk_io import ChunkIO
 from .common import ChunkOp, KVPoolMetadata, SaveSpec
-from .config import KVPoolConfig
+from .config import KVPoolConfig, sidecar_client
 from .keys import rank_key
 from .loader import ChunkLoader
 from .logs import connector_logger
@@ -52,7 +52,7 @@ class KVPoolWorker:
         self.saves = saves  # False: another TP rank saves the same KV (MLA), this one only loads
         # Never replaced: a connection that failed is dropped by the client's pool, so the copy
         # thread and the engine thread may both use it at any time.
-        self.client = SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
+        self.client = sidecar_client(cfg)
         self.stats = KVPoolStats()
         self.io = ChunkIO([])
         self.layer_index: dict[str, int] = {}
