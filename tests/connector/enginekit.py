@@ -7,6 +7,7 @@ changes the world between runs (kills a sidecar, corrupts a chunk) through go-fi
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtest import Gone, wait_until
+from kvtest import Gone, start_sidecar, wait_until
 
 from kvpool_connector.keys import Namespace, chunk_keys
 from kvpool_connector.model_identity import weights_fingerprint
 from kvpool_connector.tinymodel import TINY
+from kvpool_sidecar.client import SidecarClient
 
 BLOCK = 32
 CHUNK = 64
@@ -143,3 +145,70 @@ def engine_spec(
         "runs": runs,
         **kw,
     }
+
+
+# --- served against references: hybrid and windowed models, whose hits run in other step shapes ---
+
+LONG_STEPS = {"max_num_batched_tokens": 512, "max_model_len": 1024, "enable_prefix_caching": True}
+
+
+def reference_runs(prompts: list[tuple[str, list[int]]]) -> list[dict[str, Any]]:
+    """Each prompt after a reset of vLLM's own prefix cache (so what it reuses comes from kvpool), and
+    its reference with a salt of its own: neither vLLM's prefix cache nor kvpool can serve that."""
+    runs = []
+    for label, prompt in prompts:
+        runs.append({"label": label, "prompts": [prompt], "max_tokens": 6, "reset_prefix_cache": "engine"})
+        runs.append({"label": f"{label}-ref", "prompts": [prompt], "max_tokens": 6, "cache_salt": label})
+    return runs
+
+
+def conversation_runs(first: list[int], *rounds: list[int]) -> list[dict[str, Any]]:
+    """A conversation: its first prompt cold, then again and each longer round, each with a reference."""
+    runs = [{"label": "cold", "prompts": [first], "max_tokens": 6}]
+    labelled = [("again", first)] + [(f"round{i}", r) for i, r in enumerate(rounds, start=2)]
+    return runs + reference_runs(labelled)
+
+
+def serve_with_kvpool(d: Path, model: Path, runs: list[dict[str, Any]], **engine: Any) -> dict[str, Any]:
+    """Every run's first output by label, the sidecar's stats and the engine log, in 128-token chunks."""
+    sidecar = start_sidecar(d, "64Mi")
+    e = Engine(
+        d, "engine", engine_spec(model, kvpool_connector(sidecar.info["url"], chunk_size=128), runs, **engine)
+    )
+    try:
+        e.start()
+        # a livelock never ends: a deadline well past what these runs take here shows it
+        out = {r["label"]: e.wait_done(r["label"], timeout=240)["outputs"][0] for r in runs}
+        e.finish()
+        out["stats"] = SidecarClient(sidecar.info["url"], timeout=5).stats()
+        out["log"] = e.log.read_text(errors="replace")
+        return out
+    finally:
+        e.kill()
+        sidecar.stop()
+
+
+def same_as_reference(out: dict[str, Any], label: str) -> None:
+    """Tokens exactly as the reference's; logprobs within float noise (its step shapes differ)."""
+    got, ref = out[label], out[f"{label}-ref"]
+    assert ref["num_cached_tokens"] == 0  # computed from nothing
+    assert got["token_ids"] == ref["token_ids"], label
+    assert all(
+        math.isclose(a, b, abs_tol=1e-3) for a, b in zip(got["logprobs"], ref["logprobs"], strict=True)
+    )
+
+
+def flip_a_byte_in_every_page(arena: Path, header: bool) -> int:
+    """A rogue writer: one byte flipped in every 4 KiB page of the arena file (with `header`, the
+    header page's epoch too, else every stored chunk fails its checksum while the sidecar still
+    serves it). The number of pages changed."""
+    pages = 0
+    with arena.open("r+b") as f:
+        size = f.seek(0, 2)
+        for offset in range(0 if header else 4096, size, 4096):
+            f.seek(offset + 8 if offset == 0 else offset + 100)  # the epoch's first byte; a chunk byte
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ 0xFF]))
+            pages += 1
+    return pages

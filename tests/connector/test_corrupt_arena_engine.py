@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import Engine, engine_spec, kvpool_connector, prompt_keys
+from enginekit import Engine, engine_spec, flip_a_byte_in_every_page, kvpool_connector, prompt_keys
 from kvtest import start_sidecar
 
 from kvpool_connector.scheduler import SKIP_SAVE_PARAM
@@ -34,20 +34,6 @@ Q = random_prompt(450, 512, seed=82)
 LOADABLE = 448  # 450 tokens: seven 64-token chunks, the last token recomputed for its logits
 RECOVERED = "Recovered from KV load failure"
 MODES = {"in-process": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, "engine-core-process": {}}
-
-
-def _change_a_byte_in_every_page(arena: Path) -> int:
-    """A rogue writer: one byte flipped in every 4 KiB page of the arena file, the header page too."""
-    pages = 0
-    with arena.open("r+b") as f:
-        size = f.seek(0, 2)
-        for offset in range(0, size, 4096):
-            f.seek(offset + 8 if offset == 0 else offset + 100)  # the epoch's first byte; a chunk byte
-            byte = f.read(1)[0]
-            f.seek(-1, 1)
-            f.write(bytes([byte ^ 0xFF]))
-            pages += 1
-    return pages
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -85,7 +71,7 @@ def story(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         engine.start()
         for label in ("cold", "q_ref", "warm"):
             s[label] = run(label)
-        s["pages"] = _change_a_byte_in_every_page(sidecar.info["arena_dir"] / ARENA_FILE)
+        s["pages"] = flip_a_byte_in_every_page(sidecar.info["arena_dir"] / ARENA_FILE, header=True)
         s["corrupt"] = run("corrupt")
         s["stats"] = client.stats()
         with urllib.request.urlopen(sidecar.info["url"] + "/healthz", timeout=5) as r:

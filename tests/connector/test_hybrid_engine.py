@@ -24,13 +24,22 @@ logprobs are compared within float noise; tokens exactly.
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import Engine, engine_spec, kvpool_connector
+from enginekit import (
+    LONG_STEPS,
+    Engine,
+    conversation_runs,
+    engine_spec,
+    flip_a_byte_in_every_page,
+    kvpool_connector,
+    reference_runs,
+    same_as_reference,
+    serve_with_kvpool,
+)
 from kvtest import start_sidecar
 
 from kvpool_connector.tinymodel import TINY_CHUNKED, TINY_HYBRID, make_model, random_prompt
@@ -52,67 +61,24 @@ def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("model") / "tiny-hybrid", TINY_HYBRID)
 
 
-def _runs(prompts: list[tuple[str, list[int]]]) -> list[dict[str, Any]]:
-    """Each prompt after a reset of vLLM's own prefix cache (so what it reuses comes from kvpool), and
-    its reference with a salt of its own."""
-    runs = []
-    for label, prompt in prompts:
-        runs.append({"label": label, "prompts": [prompt], "max_tokens": 6, "reset_prefix_cache": "engine"})
-        runs.append({"label": f"{label}-ref", "prompts": [prompt], "max_tokens": 6, "cache_salt": label})
-    return runs
-
-
-def _serve(d: Path, model: Path, runs: list[dict[str, Any]], **engine: Any) -> dict[str, Any]:
-    sidecar = start_sidecar(d, "64Mi")
-    e = Engine(
-        d, "engine", engine_spec(model, kvpool_connector(sidecar.info["url"], chunk_size=128), runs, **engine)
-    )
-    try:
-        e.start()
-        out = {r["label"]: e.wait_done(r["label"], timeout=240)["outputs"][0] for r in runs}
-        e.finish()
-        out["stats"] = SidecarClient(sidecar.info["url"], timeout=5).stats()
-        out["log"] = e.log.read_text(errors="replace")
-        return out
-    finally:
-        e.kill()
-        sidecar.stop()
-
-
 @pytest.fixture(scope="module")
 def long_steps(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path) -> dict[str, Any]:
-    runs = [{"label": "cold", "prompts": [A], "max_tokens": 6}]
-    runs += _runs([("again", A), ("round2", ROUND2), ("round3", ROUND3)])
-    return _serve(
-        tmp_path_factory.mktemp("hybrid-long"),
-        hybrid_model,
-        runs,
-        max_num_batched_tokens=512,
-        max_model_len=1024,
-        enable_prefix_caching=True,
-    )
+    runs = conversation_runs(A, ROUND2, ROUND3)
+    return serve_with_kvpool(tmp_path_factory.mktemp("hybrid-long"), hybrid_model, runs, **LONG_STEPS)
 
 
 @pytest.fixture(scope="module")
 def chunked_long_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = make_model(tmp_path_factory.mktemp("model") / "tiny-llama4", TINY_CHUNKED)
-    runs = [{"label": "cold", "prompts": [A], "max_tokens": 6}]
-    runs += _runs([("again", A), ("round2", ROUND2), ("round3", ROUND3)])
-    return _serve(
-        tmp_path_factory.mktemp("chunked-long"),
-        model,
-        runs,
-        max_num_batched_tokens=512,
-        max_model_len=1024,
-        enable_prefix_caching=True,
-    )
+    runs = conversation_runs(A, ROUND2, ROUND3)
+    return serve_with_kvpool(tmp_path_factory.mktemp("chunked-long"), model, runs, **LONG_STEPS)
 
 
 @pytest.fixture(scope="module")
 def chunked_one_block_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = make_model(tmp_path_factory.mktemp("model") / "tiny-llama4", TINY_CHUNKED)
-    runs = [{"label": "shared", "prompts": [SHARED], "max_tokens": 6}, *_runs([("C", C), ("B", B)])]
-    return _serve(
+    runs = [{"label": "shared", "prompts": [SHARED], "max_tokens": 6}, *reference_runs([("C", C), ("B", B)])]
+    return serve_with_kvpool(
         tmp_path_factory.mktemp("chunked-steps"),
         model,
         runs,
@@ -125,8 +91,8 @@ def chunked_one_block_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[st
 
 @pytest.fixture(scope="module")
 def one_block_steps(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path) -> dict[str, Any]:
-    runs = [{"label": "shared", "prompts": [SHARED], "max_tokens": 6}, *_runs([("C", C), ("B", B)])]
-    return _serve(
+    runs = [{"label": "shared", "prompts": [SHARED], "max_tokens": 6}, *reference_runs([("C", C), ("B", B)])]
+    return serve_with_kvpool(
         tmp_path_factory.mktemp("hybrid-steps"),
         hybrid_model,
         runs,
@@ -166,12 +132,7 @@ def corrupt_chunks(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path)
         out["cold"] = engine.wait_done("cold", timeout=240)["outputs"][0]
         # a rogue writer: one byte changed in every 4 KiB page of the arena but its header's, so every
         # stored chunk fails its checksum while the sidecar still serves it
-        with (sidecar.info["arena_dir"] / ARENA_FILE).open("r+b") as f:
-            for offset in range(4096, f.seek(0, 2), 4096):
-                f.seek(offset + 100)
-                byte = f.read(1)[0]
-                f.seek(-1, 1)
-                f.write(bytes([byte ^ 0xFF]))
+        flip_a_byte_in_every_page(sidecar.info["arena_dir"] / ARENA_FILE, header=False)
         for label in ("corrupt", "again"):
             engine.go(label)
             # a loop or a dead engine never gets here: a deadline well past what a run takes
@@ -187,15 +148,6 @@ def corrupt_chunks(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path)
         sidecar.stop()
 
 
-def _same_as_reference(out: dict[str, Any], label: str) -> None:
-    got, ref = out[label], out[f"{label}-ref"]
-    assert ref["num_cached_tokens"] == 0  # computed from nothing
-    assert got["token_ids"] == ref["token_ids"], label
-    assert all(
-        math.isclose(a, b, abs_tol=1e-3) for a, b in zip(got["logprobs"], ref["logprobs"], strict=True)
-    )
-
-
 def _hybrid_manager_on(log: str) -> None:
     assert "Turning off hybrid kv cache manager" not in log
     # vLLM's KV cache config: one group per attention kind, both of the same block size
@@ -205,7 +157,7 @@ def _hybrid_manager_on(log: str) -> None:
 def test_a_multi_round_conversation_loads_each_round_with_the_hybrid_manager_on(long_steps) -> None:
     _hybrid_manager_on(long_steps["log"])
     for label in ("again", "round2", "round3"):
-        _same_as_reference(long_steps, label)
+        same_as_reference(long_steps, label)
     # each round loaded from kvpool what earlier rounds saved (vLLM's own cache was reset): the full
     # group's whole 128-token chunks and the windowed group's last ones, a partial tail block by block
     assert long_steps["again"]["num_cached_tokens"] == 288  # A's two chunks and a block of its tail
@@ -216,8 +168,8 @@ def test_a_multi_round_conversation_loads_each_round_with_the_hybrid_manager_on(
 
 def test_a_hit_needs_both_groups_and_no_part_is_saved_from_blocks_the_window_let_go(one_block_steps) -> None:
     _hybrid_manager_on(one_block_steps["log"])
-    _same_as_reference(one_block_steps, "C")
-    _same_as_reference(one_block_steps, "B")
+    same_as_reference(one_block_steps, "C")
+    same_as_reference(one_block_steps, "B")
     # SHARED's first chunk: its windowed part lost its first block to the window before the step that
     # completed it, so only the full group's part was saved; C, which shares its first two blocks,
     # finds no hit
@@ -230,7 +182,7 @@ def test_a_hit_needs_both_groups_and_no_part_is_saved_from_blocks_the_window_let
 
 def test_a_chunk_that_fails_its_checksum_is_recomputed_whole_and_saved_again(corrupt_chunks) -> None:
     _hybrid_manager_on(corrupt_chunks["log"])
-    _same_as_reference(corrupt_chunks, "corrupt")
+    same_as_reference(corrupt_chunks, "corrupt")
     assert corrupt_chunks["stats"]["corrupt_dropped"] >= 1  # the worker had the sidecar drop it
     assert "Traceback" not in corrupt_chunks["log"]
     # recomputed and saved again: the next run loads it
@@ -244,7 +196,7 @@ def test_chunked_local_attention_loads_each_round_with_the_hybrid_manager_on(chu
     log = chunked_long_steps["log"]
     assert "Turning off hybrid kv cache manager" not in log
     for label in ("again", "round2", "round3"):
-        _same_as_reference(chunked_long_steps, label)
+        same_as_reference(chunked_long_steps, label)
     # the full layer's chunks from the start; the chunked layers' only where they reach past the start
     # of the attention chunk the hit ends in (vLLM gives the null block before it)
     assert chunked_long_steps["again"]["num_cached_tokens"] == 288  # A's two chunks and its tail block
@@ -262,8 +214,8 @@ def test_chunked_local_layers_need_no_block_before_the_attention_chunk_a_hit_end
     chunk starts there), found as that chunk's block prefix: C (which shares 64 tokens) and B (which
     shares 100, but whose longer hit would need the chunked part that was not saved) load 64."""
     out = chunked_one_block_steps
-    _same_as_reference(out, "C")
-    _same_as_reference(out, "B")
+    same_as_reference(out, "C")
+    same_as_reference(out, "B")
     assert out["C"]["num_cached_tokens"] == 64
     assert out["B"]["num_cached_tokens"] == 64
     assert "Recovered from KV load failure" not in out["log"]

@@ -19,16 +19,13 @@ logprobs are compared within float noise; tokens exactly.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import Engine, engine_spec, kvpool_connector
-from kvtest import start_sidecar
+from enginekit import LONG_STEPS, conversation_runs, reference_runs, same_as_reference, serve_with_kvpool
 
 from kvpool_connector.tinymodel import TINY_SWA, make_model, random_prompt
-from kvpool_sidecar.client import SidecarClient
 
 pytestmark = pytest.mark.engine
 
@@ -45,52 +42,16 @@ def swa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("model") / "tiny-mistral-swa", TINY_SWA)
 
 
-def _runs(prompts: list[tuple[str, list[int]]]) -> list[dict[str, Any]]:
-    """Each prompt after a reset of vLLM's own prefix cache (so what it reuses comes from kvpool), and
-    its reference with a salt of its own."""
-    runs = []
-    for label, prompt in prompts:
-        runs.append({"label": label, "prompts": [prompt], "max_tokens": 6, "reset_prefix_cache": "engine"})
-        runs.append({"label": f"{label}-ref", "prompts": [prompt], "max_tokens": 6, "cache_salt": label})
-    return runs
-
-
-def _serve(d: Path, model: Path, runs: list[dict[str, Any]], **engine: Any) -> dict[str, Any]:
-    sidecar = start_sidecar(d, "64Mi")
-    e = Engine(
-        d, "engine", engine_spec(model, kvpool_connector(sidecar.info["url"], chunk_size=128), runs, **engine)
-    )
-    try:
-        e.start()
-        # a livelock never ends: a deadline well past what these runs take here shows it
-        out = {r["label"]: e.wait_done(r["label"], timeout=240)["outputs"][0] for r in runs}
-        e.finish()
-        out["stats"] = SidecarClient(sidecar.info["url"], timeout=5).stats()
-        out["log"] = e.log.read_text(errors="replace")
-        return out
-    finally:
-        e.kill()
-        sidecar.stop()
-
-
 @pytest.fixture(scope="module")
 def long_steps(tmp_path_factory: pytest.TempPathFactory, swa_model: Path) -> dict[str, Any]:
-    runs = [{"label": "cold", "prompts": [A], "max_tokens": 6}]
-    runs += _runs([("again", A), ("round2", ROUND2), ("round3", ROUND3)])
-    return _serve(
-        tmp_path_factory.mktemp("swa-long"),
-        swa_model,
-        runs,
-        max_num_batched_tokens=512,
-        max_model_len=1024,
-        enable_prefix_caching=True,
-    )
+    runs = conversation_runs(A, ROUND2, ROUND3)
+    return serve_with_kvpool(tmp_path_factory.mktemp("swa-long"), swa_model, runs, **LONG_STEPS)
 
 
 @pytest.fixture(scope="module")
 def one_block_steps(tmp_path_factory: pytest.TempPathFactory, swa_model: Path) -> dict[str, Any]:
-    runs = [{"label": "shared", "prompts": [SHARED], "max_tokens": 6}, *_runs([("C", C), ("B", B)])]
-    return _serve(
+    runs = [{"label": "shared", "prompts": [SHARED], "max_tokens": 6}, *reference_runs([("C", C), ("B", B)])]
+    return serve_with_kvpool(
         tmp_path_factory.mktemp("swa-steps"),
         swa_model,
         runs,
@@ -101,18 +62,9 @@ def one_block_steps(tmp_path_factory: pytest.TempPathFactory, swa_model: Path) -
     )
 
 
-def _same_as_reference(out: dict[str, Any], label: str) -> None:
-    got, ref = out[label], out[f"{label}-ref"]
-    assert ref["num_cached_tokens"] == 0  # computed from nothing
-    assert got["token_ids"] == ref["token_ids"], label
-    assert all(
-        math.isclose(a, b, abs_tol=1e-3) for a, b in zip(got["logprobs"], ref["logprobs"], strict=True)
-    )
-
-
 def test_hits_longer_than_the_window_load_only_its_live_blocks_and_complete(long_steps) -> None:
     for label in ("again", "round2", "round3"):
-        _same_as_reference(long_steps, label)
+        same_as_reference(long_steps, label)
     # each round loaded from kvpool what earlier rounds saved (vLLM's own cache was reset): their
     # whole 128-token chunks, and a saved partial tail block by block
     assert long_steps["again"]["num_cached_tokens"] == 288  # A's two chunks and a block of its tail
@@ -122,8 +74,8 @@ def test_hits_longer_than_the_window_load_only_its_live_blocks_and_complete(long
 
 
 def test_no_chunk_is_saved_from_blocks_the_window_let_go(one_block_steps) -> None:
-    _same_as_reference(one_block_steps, "C")
-    _same_as_reference(one_block_steps, "B")
+    same_as_reference(one_block_steps, "C")
+    same_as_reference(one_block_steps, "B")
     # SHARED's first chunk lost its first block to the window before the step that completed it: not
     # saved, so C (which shares its first two blocks) finds nothing
     assert one_block_steps["C"]["num_cached_tokens"] == 0

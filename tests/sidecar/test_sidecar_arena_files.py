@@ -118,10 +118,12 @@ def test_a_client_reads_the_new_token_of_a_restarted_sidecar(tmp_path) -> None:
     """Each start writes a new token; a vLLM that outlives its sidecar's restart keeps writing."""
     directory = tmp_path / "kept"
     proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), "--keep-arena")
-    c = SidecarClient(proc.info["url"], timeout=5)
-    assert c.put(key(1, "before"), b"x")
-    old = (directory / "write-token").read_text()
-    proc.stop()
+    try:
+        c = SidecarClient(proc.info["url"], timeout=5)
+        assert c.put(key(1, "before"), b"x")
+        old = (directory / "write-token").read_text()
+    finally:
+        proc.stop()
     assert not (directory / "write-token").exists()
     proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), port=proc.info["port"])
     try:
