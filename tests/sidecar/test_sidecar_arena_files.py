@@ -202,3 +202,22 @@ def test_the_arena_file_goes_when_the_sidecar_stops_unless_it_is_kept(tmp_path) 
     kept = start_sidecar(tmp_path, "1Mi", [], "--keep-arena")
     kept.stop()
     assert (kept.info["arena_dir"] / "arena").exists()
+
+
+def test_a_sidecar_restarted_under_a_running_vllm_still_knows_its_engines_reports(tmp_path) -> None:
+    """An engine reports only at its own start: a sidecar restarted in the pod (--keep-arena) reads the
+    reports kept beside the arena, so the pool's status does not forget that kvpool is off there."""
+    directory = tmp_path / "kept"
+    off = {"cache": "off", "shared": True, "reason": "MambaSpec", "model": "q"}
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), "--keep-arena")
+    try:
+        SidecarClient(proc.info["url"], timeout=5).report_engine("dp0", off)
+        assert _mode(directory / "engines.json") == 0o600
+    finally:
+        proc.stop()
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory))
+    try:
+        assert SidecarClient(proc.info["url"], timeout=5).stats()["engines"] == {"dp0": off}
+    finally:
+        proc.stop()
+    assert not (directory / "engines.json").exists()  # no --keep-arena: gone with the arena

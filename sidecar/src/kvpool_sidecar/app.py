@@ -282,7 +282,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     async def engine_report(
         engine: Annotated[str, Path(pattern=s.ENGINE_PATTERN)], report: s.EngineReport
     ) -> Response:
-        sidecar.engine_reported(engine, report.model_dump())
+        sidecar.engines.put(engine, report.model_dump())
         return Response(status_code=204)
 
     @app.get("/v1/arena", tags=["arena"])

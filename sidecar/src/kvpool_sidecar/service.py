@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool_sidecar import metrics
 from kvpool_sidecar.arena import Arena
+from kvpool_sidecar.engine_reports import EngineReports
 from kvpool_sidecar.settings import Settings
 from kvpool_sidecar.store import Store
 from kvpool_sidecar.wire import CONTROL_SOCKET
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
     from kvpool_sidecar.redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
-MAX_ENGINES = 64
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Sidecar:
     arena: Arena
     store: Store
     token: WriteToken  # what HTTP writes must carry
+    engines: EngineReports  # what the pod's vLLM engines said of themselves at start
     redis: RedisTier | None = None  # imported only when configured
     redis_refused: str | None = None  # why a configured Redis tier is off
 
@@ -33,7 +34,8 @@ class Sidecar:
     def build(cls, settings: Settings) -> Sidecar:
         arena = Arena(settings.arena_dir, settings.capacity, settings.shared_group)
         store = Store(arena, lease_seconds=settings.lease_seconds, max_chunks=settings.max_chunks)
-        sidecar = cls(settings, arena, store, WriteToken(settings.arena_dir, arena.mode))
+        token = WriteToken(settings.arena_dir, arena.mode)
+        sidecar = cls(settings, arena, store, token, EngineReports(settings.arena_dir, arena.mode))
         if (
             (settings.redis_urls or settings.redis_urls_file)
             and settings.pool_key_required
@@ -51,8 +53,6 @@ class Sidecar:
             sidecar.redis = tier
         return sidecar
 
-    # the latest report of each vLLM engine of the pod (engine_report in the connector), for /stats
-    engines: dict[str, dict] = field(default_factory=dict)
     socket_serving: bool = True  # False when the control socket could not be made (clients use HTTP)
 
     @property
@@ -68,6 +68,7 @@ class Sidecar:
             self.redis.close()
         self.token.remove()  # a restarted sidecar writes a new one; clients read it again on 401
         if not self.settings.keep_arena:  # a host's tmpfs holds its pages until the file goes
+            self.engines.remove()
             self.arena.remove()
 
     def ready(self, cpu_only: bool = False) -> tuple[bool, str]:
@@ -89,12 +90,4 @@ class Sidecar:
             tiers["redis"] = self.redis.stats()
         elif self.redis_refused:
             tiers["redis"] = {"ready": False, "reason": self.redis_refused}
-        return {**top, "arena_fault": self.store.arena_fault, "tiers": tiers, "engines": self.engines}
-
-    def engine_reported(self, engine: str, report: dict) -> None:
-        """Keeps an engine's latest report; a pod runs a few engines (data parallel ranks), so a bounded
-        number is kept, the oldest dropped."""
-        self.engines.pop(engine, None)
-        self.engines[engine] = report
-        while len(self.engines) > MAX_ENGINES:
-            del self.engines[next(iter(self.engines))]
+        return {**top, "arena_fault": self.store.arena_fault, "tiers": tiers, "engines": self.engines.reports}
