@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import load_note
-from kvpool_connector.localrun import kvpool_connector_spec, run_engine, sidecar, sidecar_stats
-from kvpool_connector.tinymodel import BENCH, make_model, random_prompt
+from kvpool_demo.localrun import kvpool_connector_spec, run_engine, sidecar, sidecar_stats
+from kvpool_demo.tinymodel import BENCH, make_model, random_prompt
 
 PROMPT_TOKENS = 2000
 REPEAT = 5

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvpool_connector.localrun import ENGINE_ENV, kvpool_connector_spec, sidecar
-from kvpool_connector.tinymodel import ModelShape, make_model, random_prompt
+from kvpool_demo.localrun import ENGINE_ENV, kvpool_connector_spec, sidecar
+from kvpool_demo.tinymodel import ModelShape, make_model, random_prompt
 
 # Gemma 2-style: window 128 tokens, 8 layers, every other layer full attention
 SHAPE = ModelShape(layers=8, sliding_window=128, full_attention_every=2)
@@ -43,7 +43,7 @@ def _arm(spec: dict[str, Any]) -> dict[str, Any]:
     """In the arm's own process: runs the batch and counts what the scheduler ran at once."""
     from vllm import SamplingParams
 
-    from kvpool_connector.engine_run import build_llm
+    from kvpool_demo.engine_run import build_llm
 
     llm = build_llm(spec)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler

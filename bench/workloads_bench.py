@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import load_note
-from kvpool_connector.localrun import (
+from kvpool_demo.localrun import (
     free_port,
     kvpool_connector_spec,
     process,
@@ -37,9 +37,9 @@ from kvpool_connector.localrun import (
     sidecar,
     vllm_server,
 )
-from kvpool_connector.openai_driver import Sample, drive
-from kvpool_connector.tinymodel import BENCH, make_model
-from kvpool_connector.workloads import (
+from kvpool_demo.openai_driver import Sample, drive
+from kvpool_demo.tinymodel import BENCH, make_model
+from kvpool_demo.workloads import (
     Turn,
     long_doc_qa,
     multi_round_qa,

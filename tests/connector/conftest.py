@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_connector.tinymodel import TINY, make_model
+from kvpool_demo.tinymodel import TINY, make_model
 from kvpool_sidecar.client import SidecarClient
 
 

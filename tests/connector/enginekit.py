@@ -1,6 +1,6 @@
 """Engine tests' support: the real vLLM CPU engine in a child process, and the tiny model's keys.
 
-Each engine runs `python -m kvpool_connector.engine_run` with all its runs in one process; the test
+Each engine runs `python -m kvpool_demo.engine_run` with all its runs in one process; the test
 changes the world between runs (kills a sidecar, corrupts a chunk) through go-files the runner waits for.
 """
 
@@ -19,7 +19,7 @@ from kvtest import Gone, start_sidecar, wait_until
 
 from kvpool_connector.keys import Namespace, chunk_keys
 from kvpool_connector.model_identity import weights_fingerprint
-from kvpool_connector.tinymodel import TINY
+from kvpool_demo.tinymodel import TINY
 from kvpool_sidecar.client import SidecarClient
 
 BLOCK = 32
@@ -85,7 +85,7 @@ class Engine:
         spec_path.write_text(json.dumps(self.spec))
         with self.log.open("wb") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvpool_connector.engine_run", str(spec_path), str(self.out)],
+                [sys.executable, "-m", "kvpool_demo.engine_run", str(spec_path), str(self.out)],
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **ENGINE_ENV, **self.env},

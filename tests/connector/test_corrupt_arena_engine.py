@@ -23,7 +23,7 @@ from enginekit import Engine, engine_spec, flip_a_byte_in_every_page, kvpool_con
 from kvtest import start_sidecar
 
 from kvpool_connector.scheduler import SKIP_SAVE_PARAM
-from kvpool_connector.tinymodel import random_prompt
+from kvpool_demo.tinymodel import random_prompt
 from kvpool_sidecar.client import SidecarClient
 from kvpool_sidecar.wire import ARENA_FILE
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.engine
 
 def test_demo_prints_ttft_by_round_kvpool_tokens_a_cross_pod_hit_and_agreeing_outputs(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "kvpool_connector.cli", "demo", "--model-dir", str(tmp_path / "m")],
+        [sys.executable, "-m", "kvpool_demo.cli", "demo", "--model-dir", str(tmp_path / "m")],
         capture_output=True,
         text=True,
         timeout=900,

@@ -18,7 +18,7 @@ import pytest
 from enginekit import Engine, engine_spec, kvpool_connector, prompt_keys
 from kvtest import RedisServer, free_port, redis_call, start_sidecar, wait_until
 
-from kvpool_connector.tinymodel import random_prompt
+from kvpool_demo.tinymodel import random_prompt
 from kvpool_sidecar.client import SidecarClient
 from kvpool_sidecar.redis_tier import chunk_key
 

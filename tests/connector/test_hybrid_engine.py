@@ -42,7 +42,7 @@ from enginekit import (
 )
 from kvtest import start_sidecar
 
-from kvpool_connector.tinymodel import TINY_CHUNKED, TINY_HYBRID, make_model, random_prompt
+from kvpool_demo.tinymodel import TINY_CHUNKED, TINY_HYBRID, make_model, random_prompt
 from kvpool_sidecar.client import SidecarClient
 from kvpool_sidecar.wire import ARENA_FILE
 

@@ -15,7 +15,7 @@ import pytest
 from enginekit import Engine, engine_spec, kvpool_connector
 from kvtest import start_sidecar
 
-from kvpool_connector.tinymodel import TINY_GDN, make_model, random_prompt
+from kvpool_demo.tinymodel import TINY_GDN, make_model, random_prompt
 from kvpool_sidecar.client import SidecarClient
 
 pytestmark = pytest.mark.engine

@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 from kvpool_connector.keys import Namespace  # noqa: E402
 from kvpool_connector.namespace import engine_namespace  # noqa: E402
-from kvpool_connector.tinymodel import TINY, make_model  # noqa: E402
+from kvpool_demo.tinymodel import TINY, make_model  # noqa: E402
 
 KV = KVCacheConfig(
     num_blocks=16,

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from enginekit import LONG_STEPS, conversation_runs, reference_runs, same_as_reference, serve_with_kvpool
 
-from kvpool_connector.tinymodel import TINY_SWA, make_model, random_prompt
+from kvpool_demo.tinymodel import TINY_SWA, make_model, random_prompt
 
 pytestmark = pytest.mark.engine
 

@@ -9,7 +9,7 @@ import pytest
 from enginekit import Engine, engine_spec, kvpool_connector, prompt_keys
 from kvtest import RedisServer, start_sidecar, wait_until
 
-from kvpool_connector.tinymodel import random_prompt
+from kvpool_demo.tinymodel import random_prompt
 from kvpool_sidecar.client import SidecarClient
 
 pytestmark = pytest.mark.engine

@@ -19,9 +19,9 @@ from enginekit import kvpool_connector  # noqa: E402
 from kvtest import start_sidecar, wait_until  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from kvpool_connector.localrun import vllm_server  # noqa: E402
 from kvpool_connector.metrics import STATS  # noqa: E402
-from kvpool_connector.tinymodel import random_prompt  # noqa: E402
+from kvpool_demo.localrun import vllm_server  # noqa: E402
+from kvpool_demo.tinymodel import random_prompt  # noqa: E402
 from kvpool_sidecar.client import SidecarClient  # noqa: E402
 
 pytestmark = pytest.mark.engine

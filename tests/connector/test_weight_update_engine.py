@@ -15,7 +15,7 @@ import pytest
 from enginekit import Engine, engine_spec, kvpool_connector
 from kvtest import start_sidecar
 
-from kvpool_connector.tinymodel import random_prompt
+from kvpool_demo.tinymodel import random_prompt
 
 pytestmark = pytest.mark.engine
 

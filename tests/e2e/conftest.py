@@ -193,6 +193,8 @@ def vllm_workload(cluster: Cluster) -> str:
     pool["spec"]["redis"]["image"] = cluster.images["redis"]
     kubectl("apply", "-f", "-", stdin=json.dumps(pool))
     wait_until(lambda: clusterkit.condition("shared", "Ready") is not None, 60, "the pool's first status")
+    tinymodel = REPO / "demo" / "src" / "kvpool_demo" / "tinymodel.py"  # not in any image: mounted
+    kubectl("-n", NAMESPACE, "create", "configmap", "tinymodel", f"--from-file={tinymodel}")
     kubectl("apply", "-f", "-", stdin=json.dumps(deployment))
     with timed("vLLM Deployment rolled out (2 replicas)"):
         kubectl("-n", NAMESPACE, "rollout", "status", "deployment/vllm", "--timeout", "900s", timeout=960)

@@ -1,6 +1,6 @@
 """Runs prompts through the real vLLM engine in this process and writes the results as JSON.
 
-`python -m kvpool_connector.engine_run SPEC.json OUT.json`. The demo, the bench and the engine tests
+`python -m kvpool_demo.engine_run SPEC.json OUT.json`. The demo, the bench and the engine tests
 run it as a child process: each engine gets its own process (vLLM's threads and global state stay
 out of the caller) and several runs share one engine start-up.
 

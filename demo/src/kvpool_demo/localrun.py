@@ -154,7 +154,7 @@ def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout: float = 
     spec_path.write_text(json.dumps(spec))
     with log.open("wb") as f:
         rc = subprocess.run(
-            [sys.executable, "-m", "kvpool_connector.engine_run", str(spec_path), str(out)],
+            [sys.executable, "-m", "kvpool_demo.engine_run", str(spec_path), str(out)],
             stdout=f,
             stderr=subprocess.STDOUT,
             env={**os.environ, **ENGINE_ENV},
