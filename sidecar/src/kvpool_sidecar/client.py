@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
+from kvpool_sidecar.batching import CLIENT_FRAME_ENTRIES
 from kvpool_sidecar.wire import (
     ARENA_FILE,
     CONTROL_SOCKET,
@@ -480,14 +481,10 @@ class SidecarClient:
         self.close()
 
 
-FRAME_ENTRIES = 4096  # entries per reserve/commit/abort/verify frame; a bigger batch goes as several
-
-
 def _slices(entries: list[T]) -> Iterator[list[T]]:
-    """A batch in frames of FRAME_ENTRIES. The sidecar validates and encodes one frame in single calls
-    that hold the GIL (~5 us an entry): one 65,536-entry frame held lookups up to 1.4 s on a 2-core VM."""
-    for start in range(0, len(entries), FRAME_ENTRIES):
-        yield entries[start : start + FRAME_ENTRIES]
+    """A batch in frames of CLIENT_CLIENT_FRAME_ENTRIES (batching.py)."""
+    for start in range(0, len(entries), CLIENT_FRAME_ENTRIES):
+        yield entries[start : start + CLIENT_FRAME_ENTRIES]
 
 
 class _Retry(Exception):

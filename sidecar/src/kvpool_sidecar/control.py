@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvpool_sidecar import schemas as s
+from kvpool_sidecar.batching import OFF_LOOP_ENTRIES
 from kvpool_sidecar.store import Store
 from kvpool_sidecar.wire import Slot
 
@@ -89,14 +90,11 @@ def _always(store: Store, req: Any) -> bool:
 
 def _asks_redis(store: Store, req: s.LookupRequest) -> bool:
     keys = [*req.keys, *(k for group in req.alternatives for k in group)]
-    return len(keys) > BIG_BATCH or store.needs_lower(keys)
-
-
-BIG_BATCH = 256  # a batch longer than this runs off the event loop: the loop keeps answering lookups
+    return len(keys) > OFF_LOOP_ENTRIES or store.needs_lower(keys)
 
 
 def _big(store: Store, req: Any) -> bool:
-    return len(getattr(req, "items", None) or getattr(req, "slots", None) or ()) > BIG_BATCH
+    return len(getattr(req, "items", None) or getattr(req, "slots", None) or ()) > OFF_LOOP_ENTRIES
 
 
 # op name -> (request model, handler, whether a request runs off the event loop: it hashes, waits on

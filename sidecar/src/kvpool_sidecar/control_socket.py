@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from kvpool_sidecar import control
+from kvpool_sidecar.batching import OFF_LOOP_FRAME_BYTES
 from kvpool_sidecar.service import Sidecar
 from kvpool_sidecar.wire import FRAME_HEADER, MAX_FRAME_BYTES, encode_frame
 
@@ -57,9 +58,6 @@ def respond(sidecar: Sidecar, op: str, req: BaseModel) -> bytes:
     return encode_frame({"status": 200, "body": result if isinstance(result, dict) else result.model_dump()})
 
 
-BIG_FRAME = 64 * 1024  # bytes: a request this big is decoded, validated, run and answered off the loop
-
-
 def answer_big_frame(sidecar: Sidecar, raw: bytes) -> bytes:
     """The encoded answer to a big frame: each step is a long call holding the GIL, made from a worker
     thread so that the loop gets its turn between them."""
@@ -80,7 +78,7 @@ async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: 
                 writer.write(encode_frame({"status": 413, "body": {"error": "frame too large"}}))
                 return
             raw = await reader.readexactly(size)
-            if size > BIG_FRAME:
+            if size > OFF_LOOP_FRAME_BYTES:
                 answer = await loop.run_in_executor(None, answer_big_frame, sidecar, raw)
             else:
                 prepared = prepare(raw)

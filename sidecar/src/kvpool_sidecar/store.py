@@ -19,11 +19,11 @@ from enum import Enum
 from typing import Protocol
 
 from kvpool_sidecar.arena import Arena
+from kvpool_sidecar.batching import LOCKED_SLICE
 from kvpool_sidecar.chunk_index import ChunkIndex, Counters, Entry, Lease
 from kvpool_sidecar.wire import ARENA_HEADER, Slot, checksum, checksum_pieces
 
 log = logging.getLogger(__name__)
-_SLICE = 256  # batch items handled under one hold of the lock
 
 __all__ = ["Counters", "Fetched", "LowerTier", "PutResult", "Store"]
 
@@ -111,11 +111,11 @@ class Store:
         batch = {k for k, _ in items}
         out: list[Slot | None] = []
         # In slices, the lock released between them: a huge batch never holds lookups for long.
-        for start in range(0, len(items), _SLICE):
+        for start in range(0, len(items), LOCKED_SLICE):
             with self._lock:
                 self._check_arena()
                 self.index.reap()
-                for key, length in items[start : start + _SLICE]:
+                for key, length in items[start : start + LOCKED_SLICE]:
                     e = self.index.reserve(
                         key, length, priority, batch, groups.get(key), prefixes.get(key, ())
                     )
