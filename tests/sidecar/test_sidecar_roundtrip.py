@@ -239,3 +239,24 @@ def test_engine_reports_are_kept_for_stats_latest_first_and_bounded(sidecar_fact
         c.report_engine(f"dp{i}", {"cache": "on"})
     engines = c.stats()["engines"]
     assert len(engines) == 64 and "dp69" in engines and "dp0" not in engines
+
+
+def test_a_connection_the_sidecar_closed_while_idle_is_tried_once_more_on_a_new_one(tmp_path) -> None:
+    """The client keeps idle connections (HTTP and the control socket); after the sidecar restarts they
+    are dead, and the next call finds out only when it sends. That one call is tried again on a new
+    connection (the client's one retry policy), so a restart costs no error."""
+    directory = tmp_path / "kept"
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), "--keep-arena")
+    port = proc.info["port"]
+    c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(directory))
+    try:
+        assert c.put(key(1, "before"), b"x") and c.lookup([key(1, "before")]) == 1  # both pools hold one
+    finally:
+        proc.stop()
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), port=port)
+    try:
+        assert c.lookup([key(1, "before")]) == 0  # over the socket: the new sidecar starts empty
+        assert c.put(key(2, "after"), b"y")  # over HTTP
+    finally:
+        c.close()
+        proc.stop()

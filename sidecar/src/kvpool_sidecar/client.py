@@ -54,6 +54,12 @@ __all__ = [
 
 C = TypeVar("C")
 T = TypeVar("T")
+A = TypeVar("A")  # what a round trip's first half hands its second
+R = TypeVar("R")
+
+# What a reused connection that the server closed while it sat idle fails with, before any answer
+STALE_HTTP = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+STALE_SOCKET = (BrokenPipeError, ConnectionResetError, EOFError)
 
 
 class SidecarError(Exception):
@@ -108,6 +114,27 @@ class _Pool(Generic[C]):
                 self._idle.append(conn)
                 return
         self._close(conn)
+
+    def round_trip(
+        self, ask: Callable[[C], A], finish: Callable[[C, A], R], stale: tuple[type[BaseException], ...]
+    ) -> R:
+        """The one retry policy: `ask` (send, and wait for the answer's start) then `finish`, on an idle
+        connection or a new one. A reused connection the server closed while idle fails in `ask` with
+        one of `stale`: the round trip is tried once more on a new connection. Nothing else is retried:
+        a request that reached the server may have run."""
+        for attempt in (0, 1):
+            try:
+                with self.connection() as (conn, reused):
+                    try:
+                        started = ask(conn)
+                    except stale:
+                        if reused and attempt == 0:
+                            raise _Retry from None
+                        raise
+                    return finish(conn, started)
+            except _Retry:
+                continue
+        raise AssertionError("a new connection's try is never retried")
 
     def close(self) -> None:
         with self._lock:
@@ -194,26 +221,23 @@ class SidecarClient:
         body: bytes | bytearray | memoryview | None,
         headers: dict[str, str] | None,
     ) -> tuple[int, bytes]:
-        for attempt in (0, 1):
-            try:
-                with self._http.connection() as (conn, reused):
-                    try:
-                        conn.request(method, path, body=body, headers=headers or {})
-                        resp = conn.getresponse()
-                        data = resp.read()
-                    except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                        # the server closed an idle keep-alive connection: one retry on a fresh one
-                        if reused and attempt == 0:
-                            raise _Retry from None
-                        raise
-                    if resp.will_close:
-                        conn.close()
-                    return resp.status, data
-            except _Retry:
-                continue
-            except (OSError, http.client.HTTPException) as e:
-                raise _unavailable(f"{method} {self.url}{path}: {e!r}", e) from e
-        raise SidecarUnavailable(f"{method} {self.url}{path}: connection lost")
+        def ask(conn: http.client.HTTPConnection) -> tuple[http.client.HTTPResponse, bytes]:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            return resp, resp.read()
+
+        def finish(
+            conn: http.client.HTTPConnection, got: tuple[http.client.HTTPResponse, bytes]
+        ) -> tuple[int, bytes]:
+            resp, data = got
+            if resp.will_close:
+                conn.close()
+            return resp.status, data
+
+        try:
+            return self._http.round_trip(ask, finish, STALE_HTTP)
+        except (OSError, http.client.HTTPException) as e:
+            raise _unavailable(f"{method} {self.url}{path}: {e!r}", e) from e
 
     def _json(self, method: str, path: str, payload: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
         body = json.dumps(payload).encode() if payload is not None else None
@@ -258,30 +282,26 @@ class SidecarClient:
         pool = self._socket_pool()
         if pool is None:
             return self._json("POST", "/v1/lookup" if op == "lookup" else f"/v1/arena/{op}", body)
-        for attempt in (0, 1):
-            try:
-                with pool.connection() as (sock, reused):
-                    try:
-                        sock.sendall(encode_frame({"op": op, "body": body}))
-                        header = _recv_exactly(sock, FRAME_HEADER.size)
-                    except (BrokenPipeError, ConnectionResetError, EOFError):
-                        if reused and attempt == 0:
-                            raise _Retry from None
-                        raise
-                    (size,) = FRAME_HEADER.unpack(header)
-                    if size > MAX_FRAME_BYTES:
-                        raise SidecarUnavailable("control frame too large")
-                    answer = json.loads(_recv_exactly(sock, size))
-            except _Retry:
-                continue
-            except (OSError, EOFError, ValueError) as e:
-                raise _unavailable(f"control {op} over {self._socket_path_hint()}: {e!r}", e) from e
-            status = answer.get("status")
-            if status != 200:
-                message = f"control {op}: {status}: {answer.get('body', {}).get('error')}"
-                raise _status_error(status if isinstance(status, int) else 500, message)
-            return answer["body"]
-        raise SidecarUnavailable(f"control {op}: connection lost")
+
+        def ask(sock: socket.socket) -> bytes:
+            sock.sendall(encode_frame({"op": op, "body": body}))
+            return _recv_exactly(sock, FRAME_HEADER.size)
+
+        def finish(sock: socket.socket, header: bytes) -> Any:
+            (size,) = FRAME_HEADER.unpack(header)
+            if size > MAX_FRAME_BYTES:
+                raise SidecarUnavailable("control frame too large")
+            return json.loads(_recv_exactly(sock, size))
+
+        try:
+            answer = pool.round_trip(ask, finish, STALE_SOCKET)
+        except (OSError, EOFError, ValueError) as e:
+            raise _unavailable(f"control {op} over {self._socket_path_hint()}: {e!r}", e) from e
+        status = answer.get("status")
+        if status != 200:
+            message = f"control {op}: {status}: {answer.get('body', {}).get('error')}"
+            raise _status_error(status if isinstance(status, int) else 500, message)
+        return answer["body"]
 
     def _socket_path_hint(self) -> str:
         return os.path.join(self._shm_path, CONTROL_SOCKET) if self._shm_path else "the control socket"
