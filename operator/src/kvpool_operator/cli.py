@@ -18,6 +18,7 @@ from kvpool_operator.handlers import register
 from kvpool_operator.kube import rbac_rules
 from kvpool_operator.scaling import MemorySource, redis_info_source
 from kvpool_operator.settings import DEFAULT_SIDECAR_IMAGE, OperatorSettings
+from kvpool_operator.state import OperatorState
 from kvpool_operator.webhook import WebhookServer
 
 
@@ -102,7 +103,7 @@ class Operator:
 
     registry: kopf.OperatorRegistry
     settings: kopf.OperatorSettings
-    memo: kopf.Memo
+    memo: OperatorState
     clusterwide: bool
     namespaces: list[str]
     peering_name: str
@@ -171,7 +172,7 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
         insecure=args.webhook_insecure,
     )
     settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
-    memo = kopf.Memo(settings=ours, memory_source=memory_source or redis_info_source(ours.scrape_timeout))
+    memo = OperatorState(ours, memory_source or redis_info_source(ours.scrape_timeout))
     return Operator(
         registry=registry,
         settings=settings,

@@ -14,6 +14,7 @@ from kvpool_operator.reconcile import reconcile
 from kvpool_operator.refresh import refresh
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.skip_events import SkipEvents
+from kvpool_operator.state import OperatorState
 
 POOLS = (names.GROUP, names.VERSION, names.PLURAL)
 
@@ -24,16 +25,15 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         return kube.login(**kwargs)
 
     @kopf.on.startup(registry=registry)
-    async def startup(memo: Any, **_: Any) -> None:
+    async def startup(memo: OperatorState, **_: Any) -> None:
         memo.kube = kube.Kube()
-        memo.skip_events = SkipEvents(memo.kube)  # the webhook's PodNotInjected events, counted
-        # the webhook's pools, followed by every replica whether it leads or not (kopf's watches pause)
+        memo.skip_events = SkipEvents(memo.kube)
         memo.pool_index = PoolIndex()
         memo.index_task = asyncio.create_task(memo.pool_index.run(memo.kube, settings.namespaces))
         memo.probes = await readiness.serve(settings.readiness, settings.liveness, memo.pool_index.ready)
 
     @kopf.on.cleanup(registry=registry)
-    async def cleanup(memo: Any, **_: Any) -> None:
+    async def cleanup(memo: OperatorState, **_: Any) -> None:
         memo.index_task.cancel()
         for runner in memo.probes:
             await runner.cleanup()
@@ -54,7 +54,8 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         try:
             body = kwargs["body"]
             namespace = (body.get("metadata") or {}).get("namespace") or ""
-            index: PoolIndex = kwargs["memo"].pool_index
+            state: OperatorState = kwargs["memo"]
+            index = state.pool_index
             if not index.ready.is_set():
                 kwargs["warnings"].append(
                     "kvpool: the operator has not yet read the pools; no cache injected"
@@ -62,7 +63,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
                 return
             pools = index.in_namespace(namespace)
             await webhook.inject(
-                body, kwargs["patch"], kwargs["warnings"], kwargs["memo"], pools, bool(kwargs.get("dryrun"))
+                body, kwargs["patch"], kwargs["warnings"], state, pools, bool(kwargs.get("dryrun"))
             )
         except Exception:
             logging.getLogger("kvpool.webhook").exception("kvpool-inject failed; admitting the pod untouched")

@@ -14,6 +14,7 @@ from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.outdated import outdated
 from kvpool_operator.pool import Pool, parse_pool, problems
 from kvpool_operator.scaling import clamp, shards_to_publish
+from kvpool_operator.state import OperatorState
 
 RETRY_DELAY = 10.0
 
@@ -42,11 +43,11 @@ async def reconcile(
     namespace: str | None,
     status: Mapping[str, Any],
     patch: kopf.Patch,
-    memo: Any,
+    memo: OperatorState,
     **_: Any,
 ) -> None:
     namespace = namespace or ""  # pools are namespaced (kopf types None for cluster objects)
-    kube: Kube = memo.kube
+    kube = memo.kube
     generation = meta.get("generation")
     now = datetime.datetime.now(datetime.UTC)
     try:

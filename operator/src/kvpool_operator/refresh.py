@@ -17,7 +17,7 @@ from kvpool_operator.outdated import outdated
 from kvpool_operator.pool import Pool, parse_pool, problems
 from kvpool_operator.reconcile import RETRY_DELAY, publish
 from kvpool_operator.scaling import demand_bytes, desired_shards, drained, shards_to_publish
-from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.state import OperatorState
 
 
 async def refresh(
@@ -27,12 +27,12 @@ async def refresh(
     namespace: str | None,
     status: Mapping[str, Any],
     patch: kopf.Patch,
-    memo: Any,
+    memo: OperatorState,
     **_: Any,
 ) -> None:
     namespace = namespace or ""  # pools are namespaced (kopf types None for cluster objects)
-    kube: Kube = memo.kube
-    settings: OperatorSettings = memo.settings
+    kube = memo.kube
+    settings = memo.settings
     try:
         pool = parse_pool(namespace, name, spec, meta.get("uid"))
     except ValueError:
@@ -121,7 +121,7 @@ async def sidecar_breaker(
 async def scale(
     kube: Kube,
     pool: Pool,
-    memo: Any,
+    memo: OperatorState,
     now: datetime.datetime,
     counts: pods.PodCounts,
     sidecars: list[dict[str, Any]],
@@ -136,7 +136,7 @@ async def scale(
     seen by a timer may lag behind its last write.
     """
     assert pool.redis is not None
-    settings: OperatorSettings = memo.settings
+    settings = memo.settings
     ns, name = pool.namespace, names.redis_name(pool.name)
     sts = await kube.get("StatefulSet", ns, name)
     if sts is None:  # reconcile creates it

@@ -18,6 +18,7 @@ from kvpool_operator.config_file import ConfigMapRead, Unreadable, config_maps_t
 from kvpool_operator.injection import NamespaceLimits, decide
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pool import Pool
+from kvpool_operator.state import OperatorState
 from kvpool_operator.vllm_target import Skip
 
 HANDLER_ID = "kvpool-inject"  # the webhook path is /kvpool-inject
@@ -40,7 +41,12 @@ class WebhookServer(kopf.WebhookServer):
 
 
 async def inject(
-    body: Any, patch: kopf.Patch, warnings: list[str], memo: Any, pools: Iterable[Pool], dryrun: bool = False
+    body: Any,
+    patch: kopf.Patch,
+    warnings: list[str],
+    memo: OperatorState,
+    pools: Iterable[Pool],
+    dryrun: bool = False,
 ) -> None:
     """Sets the patch to the injected pod when exactly one usable pool claims it.
 
