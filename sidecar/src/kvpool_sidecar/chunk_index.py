@@ -19,7 +19,7 @@ from kvpool_sidecar.allocator import Allocator
 from kvpool_sidecar.wire import Slot
 
 
-@dataclass(eq=False, slots=True)  # slots: half a million entries must fit the sidecar's allowance
+@dataclass(eq=False, slots=True)  # slots: --max-chunks entries must fit the sidecar's memory allowance
 class Entry:
     key: str
     offset: int
@@ -70,8 +70,9 @@ class ChunkIndex:
     ) -> None:
         self.capacity = capacity
         self.lease_seconds = lease_seconds
-        # The index's own memory is bounded too (about 0.3 KiB per chunk): beyond this many chunks,
-        # stored or reserved, the least valuable is evicted as when bytes run out.
+        # The index's own memory is bounded too (per chunk: INDEX_BYTES_PER_CHUNK in the operator's
+        # resources.py, measured): beyond this many chunks, stored or reserved, the least valuable is
+        # evicted as when bytes run out.
         self.max_chunks = max_chunks
         self.counters = Counters()
         self.clock = clock
@@ -200,9 +201,11 @@ class ChunkIndex:
 
     # --- pins and leases ----------------------------------------------------------------------------
 
-    def pin(self, e: Entry) -> None:
+    def pin(self, e: Entry, use: bool = True) -> None:
+        """Neither evicted nor its room reused until unpinned; `use`: a load, so it moves up the LRU."""
         e.pins += 1
-        self.touch(e)
+        if use:
+            self.touch(e)
 
     def unpin(self, e: Entry) -> None:
         e.pins -= 1

@@ -212,9 +212,11 @@ def eviction_problem(client: redis.Redis | RedisCluster) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class TierCounters:
-    queued: int = 0
+    """Counted from the event loop, request threads and the writer thread: `add` under a lock, since
+    `+=` from two threads can lose an increment."""
+
     written: int = 0
     dropped: int = 0  # saves not written behind: queue full, shard down, or evicted before their turn
     write_errors: int = 0
@@ -224,6 +226,12 @@ class TierCounters:
     read_errors: int = 0
     auth_failures: int = 0  # chunks whose MAC failed: never promoted, deleted from Redis
     bytes_read: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **increments: int) -> None:
+        with self._lock:
+            for name, n in increments.items():
+                setattr(self, name, getattr(self, name) + n)
 
 
 @dataclass(eq=False)
@@ -381,7 +389,7 @@ class RedisTier:
                     if len(self._groups) > 4096:
                         self._groups.popitem(last=False)
             if not admitted:
-                self.counters.dropped += 1
+                self.counters.add(dropped=1)
                 return
             self._queued_bytes += length
         self._queue.put_nowait(("set", key, length))
@@ -403,22 +411,22 @@ class RedisTier:
                     self.remove(key)
             except Exception:  # never let the writer die
                 log.exception("redis write-behind of %s failed", key)
-                self.counters.write_errors += 1
+                self.counters.add(write_errors=1)
 
     def write(self, key: str) -> bool:
         """Copies a chunk from the arena into its shard. False when not written (counted)."""
         shard = self.shard_for(key)
         if shard is None or not shard.up:
-            self.counters.dropped += 1
+            self.counters.add(dropped=1)
             return False
         with self.store.pinned([key], promote=False, account=False) as slots:
             if not slots:  # evicted (or corrupt: dropped and counted by the store) before its turn
-                self.counters.dropped += 1
+                self.counters.add(dropped=1)
                 return False
             slot = slots[0]
             entry_meta = self.store.describe(key)
             if entry_meta is None:
-                self.counters.dropped += 1
+                self.counters.add(dropped=1)
                 return False
             digest, priority = entry_meta
             view = self.store.arena.view[slot.offset : slot.offset + slot.length]
@@ -436,16 +444,15 @@ class RedisTier:
             except redis.exceptions.OutOfMemoryError:
                 # full and unable to evict enough (a chunk larger than maxmemory allows): this write is
                 # dropped, the shard still serves
-                self.counters.dropped += 1
+                self.counters.add(dropped=1)
                 return False
             except _ERRORS as e:
                 shard.down(e)
-                self.counters.write_errors += 1
+                self.counters.add(write_errors=1)
                 return False
             finally:
                 view.release()
-        self.counters.written += 1
-        self.counters.bytes_written += slot.length
+        self.counters.add(written=1, bytes_written=slot.length)
         return True
 
     def remove(self, key: str) -> None:
@@ -492,7 +499,7 @@ class RedisTier:
         try:
             raw = cast("bytes | None", shard.redis.hget(name, META_FIELD))
             if raw is None:
-                self.counters.misses += 1
+                self.counters.add(misses=1)
                 return None
             if len(raw) != _META.size or raw[:4] != _MAGIC:
                 return self._unreadable(shard, key, "its meta is not kvpool's")
@@ -502,7 +509,7 @@ class RedisTier:
             if self.pool_key is not None and not hmac.compare_digest(
                 mac, chunk_mac(self.pool_key, key, length, digest, priority)
             ):
-                self.counters.auth_failures += 1
+                self.counters.add(auth_failures=1)
                 log.warning("chunk %s in redis shard %s fails the pool's MAC: deleted", key, shard.name)
                 _delete(shard, key)
                 return None
@@ -515,15 +522,14 @@ class RedisTier:
                 return self._unreadable(shard, key, "pieces are missing")
         except _ERRORS as e:
             shard.down(e)
-            self.counters.read_errors += 1
+            self.counters.add(read_errors=1)
             return None
-        self.counters.hits += 1
-        self.counters.bytes_read += length
+        self.counters.add(hits=1, bytes_read=length)
         return Fetched(length=length, checksum=digest, priority=priority, pieces=pieces)
 
     def _unreadable(self, shard: Shard, key: str, why: str) -> Fetched | None:
         """A chunk no reader can use: deleted (what is left would look like a hit to every pod)."""
-        self.counters.read_errors += 1
+        self.counters.add(read_errors=1)
         log.warning("chunk %s in redis shard %s cannot be read (%s): deleted", key, shard.name, why)
         _delete(shard, key)
         return None

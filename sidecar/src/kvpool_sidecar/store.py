@@ -231,7 +231,7 @@ class Store:
                 e = self.index.stored(key)
                 if e is None:
                     continue
-                e.pins += 1  # neither evicted nor reused while we read it
+                self.index.pin(e, use=False)  # held while we read it; a check is not a use
             try:
                 if not self._intact(e):
                     dropped.append(key)
