@@ -129,7 +129,7 @@ def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sid
         caplog.clear()
         w = KVPoolWorker(cfg, rank=0)
         w.register_kv_caches(make_layers(5), chunk_blocks=chunk_blocks)
-        assert w.chunk_bytes(2) > 65536
+        assert w.io.chunk_bytes(2, 0) > 65536
         for step in range(3):
             ops = chunk_ops([[2 * step, 2 * step + 1]])
             w.finish_step(KVPoolMetadata(saves=[SaveSpec(f"r{step}", 0, ops)]))
@@ -146,7 +146,7 @@ def test_an_arena_smaller_than_one_chunk_turns_saving_off_with_one_error(sidecar
     proc = sidecar_factory("64Ki")
     w = KVPoolWorker(KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64), rank=0)
     w.register_kv_caches(make_layers(5), chunk_blocks=2)
-    assert w.chunk_bytes(2) > 65536
+    assert w.io.chunk_bytes(2, 0) > 65536
     w.finish_step(KVPoolMetadata(saves=[SaveSpec("r", 0, chunk_ops([[0, 1]]))]))
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "--capacity" in errors[0]

@@ -97,9 +97,6 @@ class KVPoolWorker:
             "" if self.saves else " (loads only: another TP rank saves the same KV)",
         )
 
-    def chunk_bytes(self, num_blocks: int, group: int = 0) -> int:
-        return self.io.chunk_bytes(num_blocks, group)
-
     def _check_chunk_size(self, size: int) -> None:
         """Turns saving off at start, with one clear error, when the sidecar refuses chunks this big
         (a 70B model at TP 1 with 256-token chunks) or its arena cannot hold one (every save would be
