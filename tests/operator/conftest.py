@@ -42,7 +42,3 @@ def cluster(crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> It
     with operator_on_kmock(crd, tmp_path_factory.mktemp("kube"), argv, memory) as (api, operator):
         wait_until(lambda: listening(port), 30, "the webhook server")
         yield Cluster(api, operator, memory, f"http://127.0.0.1:{port}/kvpool-inject")
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    del items  # nothing to reorder: every scenario works in its own namespace

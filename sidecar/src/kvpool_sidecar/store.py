@@ -437,9 +437,6 @@ class Store:
 
     # --- observation -------------------------------------------------------------------------------
 
-    def stored_bytes(self) -> int:
-        return self.index.stored_bytes
-
     def snapshot(self) -> dict[str, int]:
         with self._lock:
             self.index.reap()

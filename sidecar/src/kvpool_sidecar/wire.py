@@ -32,10 +32,6 @@ ARENA_HEADER = struct.Struct("<8sQ")
 ARENA_MAGIC = b"KVPARENA"
 ARENA_HEADER_BYTES = 4096
 
-# Control operations, the same names over HTTP (POST /v1/arena/<op>, lookup at POST /v1/lookup) and
-# over the Unix socket.
-CONTROL_OPS = ("lookup", "reserve", "commit", "abort", "pin", "verify", "release")
-
 # A Unix-socket frame: 4-byte big-endian length, then that many bytes of UTF-8 JSON.
 FRAME_HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 * 1024 * 1024
