@@ -134,7 +134,7 @@ def create_app(sidecar: Sidecar) -> FastAPI:
 
     async def run(op: str, req: BaseModel) -> Any:
         """One control operation; those that hash or ask Redis run off the event loop."""
-        if control.OPS[op][2](store, req):
+        if control.OPS[op].off_loop(store, req):
             return await run_in_threadpool(control.run, store, op, req, max_chunk)
         return control.run(store, op, req, max_chunk)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
@@ -76,7 +76,7 @@ def _slot_model(slot: Slot) -> s.SlotModel:
 
 def run(store: Store, op: str, req: BaseModel, max_chunk_bytes: int) -> Any:
     """Runs one validated operation; raises TooLarge for an oversized reservation."""
-    handler = OPS[op][1]
+    handler = OPS[op].handler
     return handler(store, req, max_chunk_bytes) if handler is reserve else handler(store, req)
 
 
@@ -97,14 +97,19 @@ def _big(store: Store, req: Any) -> bool:
     return len(getattr(req, "items", None) or getattr(req, "slots", None) or ()) > OFF_LOOP_ENTRIES
 
 
-# op name -> (request model, handler, whether a request runs off the event loop: it hashes, waits on
-# Redis, or is a big batch)
-OPS: dict[str, tuple[type[BaseModel], Callable[..., Any], Callable[[Store, Any], bool]]] = {
-    "lookup": (s.LookupRequest, lookup, _asks_redis),
-    "reserve": (s.ReserveRequest, reserve, _big),
-    "commit": (s.CommitRequest, commit, _big),
-    "abort": (s.AbortRequest, abort, _big),
-    "pin": (s.PinRequest, pin, _always),
-    "verify": (s.VerifyRequest, verify, _always),
-    "release": (s.ReleaseRequest, release, _never),
+class Op(NamedTuple):
+    request: type[BaseModel]
+    handler: Callable[..., Any]
+    # whether a request runs off the event loop: it hashes, waits on Redis, or is a big batch
+    off_loop: Callable[[Store, Any], bool]
+
+
+OPS: dict[str, Op] = {
+    "lookup": Op(s.LookupRequest, lookup, _asks_redis),
+    "reserve": Op(s.ReserveRequest, reserve, _big),
+    "commit": Op(s.CommitRequest, commit, _big),
+    "abort": Op(s.AbortRequest, abort, _big),
+    "pin": Op(s.PinRequest, pin, _always),
+    "verify": Op(s.VerifyRequest, verify, _always),
+    "release": Op(s.ReleaseRequest, release, _never),
 }

@@ -29,7 +29,7 @@ def parse(op: str, body: Any) -> BaseModel | tuple[int, Any]:
     if entry is None:
         return 404, {"error": f"unknown operation {op!r}"}
     try:
-        return entry[0].model_validate(body)
+        return entry.request.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
         return 422, {"error": f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"}
@@ -84,7 +84,7 @@ async def _serve_client(sidecar: Sidecar, reader: asyncio.StreamReader, writer: 
                 prepared = prepare(raw)
                 if isinstance(prepared, bytes):
                     answer = prepared
-                elif control.OPS[prepared[0]][2](sidecar.store, prepared[1]):  # hashes or asks Redis
+                elif control.OPS[prepared[0]].off_loop(sidecar.store, prepared[1]):  # hashes or asks Redis
                     answer = await loop.run_in_executor(None, respond, sidecar, *prepared)
                 else:
                     answer = respond(sidecar, *prepared)
