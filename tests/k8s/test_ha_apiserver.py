@@ -95,11 +95,27 @@ def create_and_check_pod(kubelet: LocalKubelet, name: str, pool_name: str) -> se
     (two when the webhook's reinvocation went to another replica)."""
     manifest = json.dumps(pod(name, pool_name))
     created = json.loads(kubelet.cp.kubectl("create", "-o", "json", "-f", "-", stdin=manifest))
-    assert not untouched(created), f"{name} was admitted without its cache"
+    assert not untouched(created), (
+        f"{name} was admitted without its cache:\n{_why_untouched(kubelet, created)}"
+    )
     line = f"[{WORKLOAD}/{name}] Webhook 'kvpool-inject' succeeded"
     found = wait_until(lambda: {p for p in list(kubelet.ever) if line in kubelet.log(p)}, 10,
                        f"the replica that injected {name} to log it")  # fmt: skip
     return set(found)  # type: ignore[arg-type]
+
+
+def _why_untouched(kubelet: LocalKubelet, pod: dict[str, Any]) -> str:
+    """What each side saw of a pod admitted untouched: its annotations (a skip reason), the API server's
+    webhook errors (a call that failed open) and every replica's lines about it."""
+    name = pod["metadata"]["name"]
+    apiserver = kubelet.cp.procs["kube-apiserver"].output().splitlines()
+    calls = [line for line in apiserver if "kvpool-inject" in line or "webhook" in line.lower()][-10:]
+    replicas = {p: [line for line in kubelet.log(p).splitlines() if name in line] for p in list(kubelet.ever)}
+    return (
+        f"annotations: {pod['metadata'].get('annotations')}\n"
+        f"API server: {chr(10).join(calls) or 'nothing about webhooks'}\n"
+        + "\n".join(f"replica {p}: {lines}" for p, lines in replicas.items())
+    )
 
 
 def test_exactly_one_replica_reconciles_and_every_replica_injects(kubelet: LocalKubelet) -> None:

@@ -26,7 +26,20 @@ HANDLER_ID = "kvpool-inject"  # the webhook path is /kvpool-inject
 
 class WebhookServer(kopf.WebhookServer):
     """kopf's server, plus the request's namespace on the object: pods made by controllers arrive
-    without metadata.namespace (and often without a name), and kopf hands handlers only the object."""
+    without metadata.namespace (and often without a name), and kopf hands handlers only the object.
+
+    Every answer closes its connection. The API server keeps webhook connections alive and reuses
+    them whatever the Service's endpoints say, so in a rolling update it sent a pod's review over a
+    connection the exiting replica was closing: "EOF", and the pod was admitted without its cache
+    (failurePolicy Ignore). A connection per review goes through the Service to a replica that is
+    not terminating; it costs a TLS handshake per pod created.
+    """
+
+    @staticmethod
+    async def _serve(fn: Any, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        response = await kopf.WebhookServer._serve(fn, request)
+        response.force_close()
+        return response
 
     async def __call__(self, fn: Any) -> AsyncIterator[Any]:
         async def with_namespace(request: Any, **kwargs: Any) -> Any:
