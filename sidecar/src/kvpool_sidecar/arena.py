@@ -10,6 +10,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from kvpool_sidecar.side_files import remove_if_same
 from kvpool_sidecar.wire import ARENA_FILE, ARENA_HEADER, ARENA_HEADER_BYTES, ARENA_MAGIC, map_populated
 
 log = logging.getLogger(__name__)
@@ -117,9 +118,7 @@ class Arena:
     def remove(self) -> None:
         """Deletes the arena file, unless another sidecar has replaced it since. Clients that map it
         keep their mapping; its memory goes back when the last of them lets go."""
-        with contextlib.suppress(FileNotFoundError):
-            if self.path.lstat().st_ino == self._inode:
-                self.path.unlink()
+        remove_if_same(self.path, self._inode)
 
     def close(self) -> None:
         self.view.release()
