@@ -22,7 +22,8 @@ from kvtest import redis_server, start_sidecar
 
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.client import SidecarClient, checksum
-from kvpool_sidecar.redis_tier import RedisTier, _Connection
+from kvpool_sidecar.redis_connect import ZeroCopyConnection
+from kvpool_sidecar.redis_tier import RedisTier
 from kvpool_sidecar.store import Store
 
 MiB = 2**20
@@ -123,14 +124,14 @@ def redis_tier(redis_url: str, workdir: Path) -> None:
         src.put(k, v)
     plain = redis.Redis.from_url(redis_url)
     variants = {
-        "py packer+hiredis parser (chosen)": {"connection_class": _Connection},
+        "py packer+hiredis parser (chosen)": {"connection_class": ZeroCopyConnection},
         "hiredis packer+parser (default)": {},
-        "py packer+py parser": {"connection_class": _Connection, "parser_class": _RESP2Parser},
+        "py packer+py parser": {"connection_class": ZeroCopyConnection, "parser_class": _RESP2Parser},
     }
     nbytes = sum(map(len, chunks.values()))
     for name, kwargs in variants.items():
         writer = RedisTier(src, (redis_url,))
-        writer._shards[0].client = redis.Redis.from_url(redis_url, **kwargs)
+        writer.shards.current[0].client = redis.Redis.from_url(redis_url, **kwargs)
         writer.check_health()
         line(
             f"SET, {name}",
@@ -138,7 +139,7 @@ def redis_tier(redis_url: str, workdir: Path) -> None:
         )
         dst = Store(Arena(workdir / "b", 512 * MiB))
         reader = RedisTier(dst, (redis_url,))
-        reader._shards[0].client = redis.Redis.from_url(redis_url, **kwargs)
+        reader.shards.current[0].client = redis.Redis.from_url(redis_url, **kwargs)
         reader.check_health()
         dst.lower = reader
 
@@ -154,7 +155,7 @@ def redis_tier(redis_url: str, workdir: Path) -> None:
 
         line(f"promote, {name}", compare(nbytes, promote, setup=forget))
         for t in (writer, reader):
-            for s in t._shards:
+            for s in t.shards.current:
                 s.client.close()
         dst.arena.close()
     src.arena.close()

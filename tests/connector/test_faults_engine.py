@@ -20,7 +20,7 @@ from kvtest import RedisServer, free_port, redis_call, start_sidecar, wait_until
 
 from kvpool_demo.tinymodel import random_prompt
 from kvpool_sidecar.client import SidecarClient
-from kvpool_sidecar.redis_tier import chunk_key
+from kvpool_sidecar.redis_format import chunk_key
 
 pytestmark = pytest.mark.engine
 

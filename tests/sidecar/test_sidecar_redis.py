@@ -10,7 +10,7 @@ from kvtest import RedisServer, redis_call, redis_with, wait_until
 from sidecar_support import key, load, payload, redis_stats, save
 
 from kvpool_sidecar.client import SidecarClient
-from kvpool_sidecar.redis_tier import chunk_key
+from kvpool_sidecar.redis_format import chunk_key
 
 
 def client(proc) -> SidecarClient:

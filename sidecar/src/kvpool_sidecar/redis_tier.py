@@ -23,9 +23,7 @@ import contextlib
 import hmac
 import logging
 import queue
-import struct
 import threading
-import urllib.parse
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,183 +31,28 @@ from pathlib import Path
 from typing import cast
 
 import redis
-from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
-from redis.connection import PythonRespSerializer
-from redis.retry import Retry
 
 from kvpool_sidecar import metrics
+from kvpool_sidecar.redis_format import (
+    MAGIC,
+    META,
+    META_FIELD,
+    PIECE_BYTES,
+    chunk_key,
+    chunk_mac,
+    piece_count,
+)
+from kvpool_sidecar.redis_shard import Shard, Shards
 from kvpool_sidecar.settings import Settings
 from kvpool_sidecar.store import Fetched, Store
-from kvpool_sidecar.wire import checksum
 
 log = logging.getLogger(__name__)
 
-PIECE_BYTES = 4 * 2**20
-_META = struct.Struct(">4sQQiI16s")  # magic, length, checksum, priority, pieces, MAC
-_MAGIC = b"KVP3"
-META_FIELD = "m"
-_MAC_FIELDS = struct.Struct(">QQi")
-_NO_MAC = bytes(16)
 _ERRORS = (redis.RedisError, OSError)
-
-
-def chunk_key(key: str) -> str:
-    """The Redis hash of one chunk: field "m" its meta, fields "0".."n-1" its pieces."""
-    return f"kvpool:v3:{key}"
-
-
-def chunk_mac(pool_key: bytes | None, key: str, length: int, digest: int, priority: int) -> bytes:
-    """The pool's MAC of a chunk's meta (zeros without a key)."""
-    if pool_key is None:
-        return _NO_MAC
-    message = b"kvpool-chunk\0" + key.encode() + _MAC_FIELDS.pack(length, digest, priority)
-    return hmac.digest(pool_key, message, "sha256")[:16]
 
 
 def _delete(shard: Shard, key: str) -> None:
     shard.redis.delete(chunk_key(key))
-
-
-def piece_count(length: int) -> int:
-    return max(1, -(-length // PIECE_BYTES))
-
-
-class _PythonPacking:
-    """Sends large values as memoryviews without a copy; hiredis's packer copies every value.
-
-    (Measured: with hiredis SET 4 MiB ~0.6 GB/s, with this packer ~2.3 GB/s; replies are still
-    parsed by hiredis, which is what makes GET fast.)
-    """
-
-    def _construct_command_packer(self, packer):  # redis-py hook
-        return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
-
-
-class _Connection(_PythonPacking, redis.Connection):
-    pass
-
-
-class _SSLConnection(_PythonPacking, redis.SSLConnection):
-    pass
-
-
-def redact(url: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.hostname or ""
-    if parts.port:
-        netloc += f":{parts.port}"
-    netloc = f"{parts.username or ''}:***@{netloc}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-# Lookups run inside vLLM's schedule(): a hung shard may hold one only this long, then it is marked
-# down (the health thread brings it back) and lookups answer from the CPU tier alone.
-LOOKUP_BUDGET_SECONDS = 0.1
-
-
-def connect(url: str, password: str | None = None, timeout: float = 5.0) -> redis.Redis | RedisCluster:
-    """A client for one shard URL; redis+cluster:// or ?cluster=true means Redis Cluster."""
-    parts = urllib.parse.urlsplit(url)
-    query = urllib.parse.parse_qs(parts.query)
-    cluster = parts.scheme.endswith("+cluster") or query.pop("cluster", ["false"])[0].lower() in (
-        "1",
-        "true",
-        "yes",
-    )
-    scheme = parts.scheme.removesuffix("+cluster") or "redis"
-    plain = urllib.parse.urlunsplit(
-        parts._replace(scheme=scheme, query=urllib.parse.urlencode(query, doseq=True))
-    )
-    kwargs: dict = {
-        "socket_connect_timeout": 0.5,
-        "socket_timeout": timeout,
-        "connection_class": _SSLConnection if scheme == "rediss" else _Connection,
-    }
-    if parts.password is None and password:
-        kwargs["password"] = password
-    if cluster:
-        return RedisCluster.from_url(plain, **kwargs)
-    return redis.Redis.from_url(plain, retry=Retry(NoBackoff(), 1), **kwargs)
-
-
-@dataclass(eq=False)
-class Shard:
-    url: str = field(repr=False)  # as given (may hold a password): never logged
-    password: str | None = field(default=None, repr=False)
-    client: redis.Redis | RedisCluster | None = None  # made by check(): a cluster client connects at once
-    lookup_client: redis.Redis | RedisCluster | None = None  # the same, with LOOKUP_BUDGET_SECONDS
-    name: str = ""
-    up: bool = False
-    reason: str = "not checked yet"
-
-    def __post_init__(self) -> None:
-        self.name = redact(self.url)
-        self._id = self.name.encode()
-
-    def check(self) -> None:
-        """PING (connecting first if needed) and the eviction policy; marks the shard up or down with
-        the reason."""
-        try:
-            if self.client is None:
-                self.client = connect(self.url, self.password)
-            if self.lookup_client is None:
-                self.lookup_client = connect(self.url, self.password, LOOKUP_BUDGET_SECONDS)
-            self.client.ping()
-            problem = eviction_problem(self.client)
-        except Exception as e:  # connection errors, auth, a bad URL, a cluster without slots
-            self.down(e)
-            return
-        if problem is not None:
-            if self.reason != problem:
-                log.error("redis shard %s refused: %s", self.name, problem)
-            self.up, self.reason = False, problem
-            return
-        if not self.up:
-            log.info("redis shard %s is up", self.name)
-        self.up, self.reason = True, "ok"
-
-    @property
-    def redis(self) -> redis.Redis | RedisCluster:
-        """The client; a shard is used only after check() made it."""
-        if self.client is None:
-            raise redis.ConnectionError(f"shard {self.name} not connected yet")
-        return self.client
-
-    def close(self) -> None:
-        for client in (self.client, self.lookup_client):
-            if client is not None:
-                client.close()
-
-    def score(self, key: str) -> int:
-        return checksum(self._id + key.encode())
-
-    def down(self, error: BaseException) -> None:
-        if self.up:
-            log.warning("redis shard %s is down: %r", self.name, error)
-        self.up = False
-        self.reason = f"{type(error).__name__}: {error}"
-
-
-def eviction_problem(client: redis.Redis | RedisCluster) -> str | None:
-    """Why this Redis would refuse kvpool's writes once full, or None. kvpool's chunks have no TTL:
-    with a memory limit only an allkeys-* policy ever evicts them, and Redis's default (noeviction)
-    answers every write with OOM once full."""
-    try:
-        info = client.info("memory")
-    except redis.ResponseError:  # INFO not allowed to this user: nothing to check
-        return None
-    nodes = list(info.values()) if info and all(isinstance(v, dict) for v in info.values()) else [info]
-    for node in nodes:  # a cluster client answers per node
-        maxmemory, policy = int(node.get("maxmemory", 0)), str(node.get("maxmemory_policy", ""))
-        if maxmemory and not policy.startswith("allkeys-"):
-            return (
-                f"maxmemory {maxmemory} with maxmemory-policy {policy}: kvpool's chunks have no TTL, so "
-                "this Redis would refuse every write once full; set maxmemory-policy allkeys-lru"
-            )
-    return None
 
 
 @dataclass(slots=True)
@@ -246,16 +89,14 @@ class RedisTier:
     counters: TierCounters = field(default_factory=TierCounters)
 
     def __post_init__(self) -> None:
-        self._shards: list[Shard] = []
-        # (op, key, bytes): unbounded in entries, bounded in bytes (see _enqueue)
+        self.shards = Shards(self.urls, self.password, self.urls_file)
+        # (op, key, bytes): unbounded in entries, bounded in bytes (see saved)
         self._queue: queue.Queue[tuple[str, str, int]] = queue.Queue()
         self._queued_bytes = 0
         self._groups: OrderedDict[str, bool] = OrderedDict()  # the admission of each recent group
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._file_state: tuple[float, int] | None = None
-        self._set_urls(self._read_urls_file() or self.urls)
 
     @classmethod
     def from_settings(cls, settings: Settings, store: Store) -> RedisTier:
@@ -268,61 +109,24 @@ class RedisTier:
             urls_file=settings.redis_urls_file,
         )
 
-    # --- shards -------------------------------------------------------------------------------------
-
-    def _set_urls(self, urls: Sequence[str]) -> None:
-        with self._lock:
-            old = {s.url: s for s in self._shards}
-        shards = [old.pop(u) if u in old else Shard(u, self.password) for u in dict.fromkeys(urls)]
-        with self._lock:
-            self._shards = shards
-        for gone in old.values():
-            gone.close()
-        log.info("redis tier shards: %s", ", ".join(s.name for s in shards) or "none")
-
-    def _read_urls_file(self) -> list[str] | None:
-        """The shard list from --redis-urls-file; None when absent or unchanged since the last read."""
-        if self.urls_file is None:
-            return None
-        try:
-            st = self.urls_file.stat()
-            state = (st.st_mtime, st.st_size)
-            if state == self._file_state:
-                return None
-            text = self.urls_file.read_text()
-        except OSError as e:
-            log.warning("cannot read %s: %r", self.urls_file, e)
-            return None
-        self._file_state = state
-        return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-
-    def shard_for(self, key: str) -> Shard | None:
-        shards = self._shards
-        return max(shards, key=lambda s: s.score(key)) if shards else None
-
     # --- state --------------------------------------------------------------------------------------
 
     def usable(self) -> bool:
-        return any(s.up for s in self._shards)
+        return any(s.up for s in self.shards.current)
 
     def health(self) -> tuple[bool, str]:
-        shards = self._shards
-        if not shards:
-            return False, "redis tier configured but no shard URLs (check --redis-urls-file)"
-        down = [s for s in shards if not s.up]
-        if down:
-            return False, "redis unreachable: " + "; ".join(f"{s.name}: {s.reason}" for s in down)
-        return True, "ok"
+        return self.shards.health()
 
     def stats(self) -> dict:
         """/stats' tiers.redis: the fields declared in metrics.REDIS_STATS (which /metrics renders)."""
         c = self.counters
+        shards = self.shards.current
         ok, reason = self.health()
         values = {
             "ready": ok,
             "reason": reason,
-            "shards": len(self._shards),
-            "shards_up": sum(1 for s in self._shards if s.up),
+            "shards": len(shards),
+            "shards_up": sum(1 for s in shards if s.up),
             "queued": self._queue.qsize(),
             "queued_bytes": self._queued_bytes,
             "written": c.written,
@@ -356,20 +160,15 @@ class RedisTier:
             self._queue.put_nowait(("", "", 0))
         for t in self._threads:
             t.join(timeout=5)
-        for s in self._shards:
-            s.close()
+        self.shards.close()
 
     def check_health(self) -> None:
-        for s in self._shards:
-            s.check()
+        self.shards.check()
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.health_interval):
             try:
-                urls = self._read_urls_file()
-                if urls is not None and urls != [s.url for s in self._shards]:
-                    self._set_urls(urls)
-                self.check_health()
+                self.shards.refresh()
             except Exception:  # this thread is what brings Redis back: it must not die
                 log.exception("redis health check failed")
 
@@ -415,7 +214,7 @@ class RedisTier:
 
     def write(self, key: str) -> bool:
         """Copies a chunk from the arena into its shard. False when not written (counted)."""
-        shard = self.shard_for(key)
+        shard = self.shards.holder(key)
         if shard is None or not shard.up:
             self.counters.add(dropped=1)
             return False
@@ -439,7 +238,7 @@ class RedisTier:
                 fields: dict[str | bytes, bytes | memoryview] = {
                     str(i): view[i * PIECE_BYTES : (i + 1) * PIECE_BYTES] for i in range(n)
                 }
-                fields[META_FIELD] = _META.pack(_MAGIC, slot.length, digest, priority, n, mac)
+                fields[META_FIELD] = META.pack(MAGIC, slot.length, digest, priority, n, mac)
                 shard.redis.hset(chunk_key(key), mapping=fields)  # type: ignore[arg-type]  # one command: all or nothing
             except redis.exceptions.OutOfMemoryError:
                 # full and unable to evict enough (a chunk larger than maxmemory allows): this write is
@@ -456,7 +255,7 @@ class RedisTier:
         return True
 
     def remove(self, key: str) -> None:
-        shard = self.shard_for(key)
+        shard = self.shards.holder(key)
         if shard is None or not shard.up:
             return
         try:
@@ -473,7 +272,7 @@ class RedisTier:
         in time (then marked down), says no."""
         by_shard: dict[int, tuple[Shard, list[int]]] = {}
         for i, key in enumerate(keys):
-            shard = self.shard_for(key)
+            shard = self.shards.holder(key)
             if shard is not None and shard.up:
                 by_shard.setdefault(id(shard), (shard, []))[1].append(i)
         found = [False] * len(keys)
@@ -492,7 +291,7 @@ class RedisTier:
 
     def fetch(self, key: str) -> Fetched | None:
         """The chunk's pieces and meta from its shard (checked by the store against the checksum)."""
-        shard = self.shard_for(key)
+        shard = self.shards.holder(key)
         if shard is None or not shard.up:
             return None
         name = chunk_key(key)
@@ -501,9 +300,9 @@ class RedisTier:
             if raw is None:
                 self.counters.add(misses=1)
                 return None
-            if len(raw) != _META.size or raw[:4] != _MAGIC:
+            if len(raw) != META.size or raw[:4] != MAGIC:
                 return self._unreadable(shard, key, "its meta is not kvpool's")
-            _, length, digest, priority, n, mac = _META.unpack(raw)
+            _, length, digest, priority, n, mac = META.unpack(raw)
             if n != piece_count(length) or length > self.store.capacity:
                 return self._unreadable(shard, key, "its meta is inconsistent")
             if self.pool_key is not None and not hmac.compare_digest(
