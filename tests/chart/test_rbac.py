@@ -283,6 +283,6 @@ def test_nothing_more_is_granted(rendered: Callable, mode: tuple) -> None:
 
 def test_operator_calls_are_found_in_the_source() -> None:
     calls = operator_calls()
-    # spot checks that the derivation reads the code (each line exists in reconcile.py / refresh.py)
+    # spot checks that the derivation reads the code (each line exists in reconcile.py / shards.py)
     assert ("apps", "statefulsets", "patch") in calls and ("", "pods", "list") in calls
     assert ("", "secrets", "create") in calls and ("", "events", "create") in calls

@@ -14,8 +14,9 @@ from kvpool_operator.injection import arena_size_limit
 from kvpool_operator.pods import PodCounts
 from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
-from kvpool_operator.scaling import demand_bytes, desired_shards, drained, shards_to_publish
+from kvpool_operator.scaling import demand_bytes, desired_shards
 from kvpool_operator.selector import matches, to_query
+from kvpool_operator.shards import drained, shards_to_publish
 from kvpool_operator.vllm_target import strip_ours
 
 

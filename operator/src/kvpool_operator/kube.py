@@ -93,6 +93,8 @@ class ApiError(Exception):
         return self.status >= 500 or self.status in (404, 408, 409, 429)
 
 
+RETRY_DELAY = 10.0  # seconds before kopf runs a handler again after a transient ApiError
+
 MESSAGE_LIMIT = 1024  # the API server's limit on an Event's message
 
 

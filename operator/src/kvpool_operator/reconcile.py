@@ -8,31 +8,12 @@ from typing import Any
 
 import kopf
 
-from kvpool_operator import conditions, events, names, objects, pods
+from kvpool_operator import conditions, events, names, objects, pods, shards
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
-from kvpool_operator.kube import ApiError, Kube
+from kvpool_operator.kube import RETRY_DELAY, ApiError
 from kvpool_operator.outdated import outdated
 from kvpool_operator.pool import Pool, parse_pool, problems
-from kvpool_operator.scaling import clamp, shards_to_publish
 from kvpool_operator.state import OperatorState
-
-RETRY_DELAY = 10.0
-
-
-def initial_shards(pool: Pool, current: int | None) -> int:
-    """Shards to run now: the spec's count, or with scaling the running count kept within bounds."""
-    assert pool.redis is not None
-    if pool.scaling is None:
-        return pool.redis.replicas
-    return clamp(current if current is not None else pool.redis.replicas, pool.scaling)
-
-
-async def publish(kube: Kube, pool: Pool, count: int) -> None:
-    """Tells the pool's sidecars the first `count` shards (the ConfigMap key they re-read)."""
-    text = objects.redis_urls_text(objects.shard_urls(pool, count))
-    await kube.patch(
-        "ConfigMap", pool.namespace, names.config_map_name(pool.name), {"data": {names.REDIS_URLS_KEY: text}}
-    )
 
 
 async def reconcile(
@@ -78,7 +59,7 @@ async def reconcile(
         if pool.redis is not None:
             await kube.create_once("Secret", namespace, objects.pool_key_secret(pool, owner))
         if pool.shared_tier:
-            urls = await _shared_tier(kube, pool, owner)
+            urls = await shards.start(kube, pool, owner)
         elif pool.redis is not None:
             urls = [pool.redis.url or ""]  # its password Secret is the user's: never read, only referenced
         await kube.ensure("ConfigMap", namespace, objects.config_map(pool, owner, text, urls))
@@ -110,24 +91,3 @@ async def reconcile(
             f"{names.config_map_name(name)}; {counts.outdated} of {counts.matched} running pod(s) are "
             "outdated and keep what they were given until they are replaced",
         )
-
-
-async def _shared_tier(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> list[str]:
-    ns, name = pool.namespace, names.redis_name(pool.name)
-    await kube.create_once("Secret", ns, objects.password_secret(pool, owner))
-    await kube.ensure("Service", ns, objects.redis_service(pool, owner))
-    sts = await kube.get("StatefulSet", ns, name)
-    current = (sts or {}).get("spec", {}).get("replicas")
-    desired = initial_shards(pool, current)
-    cm_name = names.config_map_name(pool.name)
-    published = objects.published_shards(await kube.get("ConfigMap", ns, cm_name))
-    if published is not None and desired < published:  # sidecars stop using shards before they go
-        await publish(kube, pool, desired)
-        published = desired
-    # a smaller count is unpublished here, and the StatefulSet shrunk by refresh once every sidecar
-    # has stopped using the shards that go (refresh.scale)
-    replicas = max(desired, current or 0)
-    sts = await kube.ensure("StatefulSet", ns, objects.redis_statefulset(pool, owner, replicas))
-    ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
-    count = shards_to_publish(published, desired, ready)
-    return objects.shard_urls(pool, count)

@@ -9,14 +9,11 @@ from typing import Any
 
 import kopf
 
-from kvpool_operator import conditions, events, names, objects, pods, pool_health, vllm_breaker
+from kvpool_operator import conditions, events, pods, pool_health, shards, vllm_breaker
 from kvpool_operator.injection import sidecar_image
-from kvpool_operator.kube import ApiError, Kube
-from kvpool_operator.objects import shard_maxmemory
+from kvpool_operator.kube import RETRY_DELAY, ApiError, Kube
 from kvpool_operator.outdated import outdated
 from kvpool_operator.pool import Pool, parse_pool, problems
-from kvpool_operator.reconcile import RETRY_DELAY, publish
-from kvpool_operator.scaling import demand_bytes, desired_shards, drained, shards_to_publish
 from kvpool_operator.state import OperatorState
 
 
@@ -53,7 +50,7 @@ async def refresh(
         tier: tuple[int, int] | None = None
         shared: dict[str, Any] | None = None
         if pool.shared_tier:
-            shared = await scale(kube, pool, memo, now, counts, scraped, len(urls))
+            shared = await shards.scale(kube, pool, memo, now, counts, scraped, len(urls))
             tier = (shared["replicas"], shared["readyReplicas"])
     except ApiError as e:
         raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
@@ -116,76 +113,3 @@ async def sidecar_breaker(
     if not still_open:
         await events.post(kube, pool, "Warning", "SidecarNotStarting", f"{len(stuck)} pod(s): {stuck[0]}")
     return {"pods": len(stuck), "reason": stuck[0], "observedGeneration": generation}
-
-
-async def scale(
-    kube: Kube,
-    pool: Pool,
-    memo: OperatorState,
-    now: datetime.datetime,
-    counts: pods.PodCounts,
-    sidecars: list[dict[str, Any]],
-    expected: int,
-) -> dict[str, Any]:
-    """Resizes the shared tier to the pool's demand (its ready pods) and publishes the shard list;
-    returns sharedTier.
-
-    `sidecars` are the /stats that answered of the `expected` ready pods' sidecars: a shard is stopped
-    only once all of them have stopped using it. The time of the last change lives on the
-    StatefulSet, written in the same patch as the count, and read fresh every time: a pool's status
-    seen by a timer may lag behind its last write.
-    """
-    assert pool.redis is not None
-    settings = memo.settings
-    ns, name = pool.namespace, names.redis_name(pool.name)
-    sts = await kube.get("StatefulSet", ns, name)
-    if sts is None:  # reconcile creates it
-        return {"replicas": 0, "readyReplicas": 0}
-    running = int(sts.get("spec", {}).get("replicas") or 0)
-    ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
-    last = (sts["metadata"].get("annotations") or {}).get(names.LAST_SCALE_ANNOTATION)
-    result: dict[str, Any] = {"lastScaleTime": last} if last else {}
-
-    desired = pool.redis.replicas
-    why = ""
-    if pool.scaling is not None:
-        utilization = await memo.memory_source(pool, await _ready_shard_pods(kube, pool))
-        if utilization is not None:  # shown, never acted on: an LRU cache is always full
-            result["memoryUtilization"] = round(utilization)
-        demand, shard = demand_bytes(pool, counts.ready), shard_maxmemory(pool)
-        result["demandBytes"] = demand
-        since = (now - datetime.datetime.fromisoformat(last)).total_seconds() if last else None
-        desired = desired_shards(running, demand, shard, pool.scaling, since, settings.scale_cooldown)
-        percent = pool.scaling.capacity_percent
-        why = f" ({counts.ready} pods x {pool.capacity} x {percent}%, {shard} bytes a shard)"
-
-    cm_name = names.config_map_name(pool.name)
-    published = objects.published_shards(await kube.get("ConfigMap", ns, cm_name))
-    if desired < running:  # sidecars stop using the shards before they go away
-        if published is None or published > desired:
-            await publish(kube, pool, desired)
-            published = desired
-        if not drained(sidecars, expected, desired):
-            result.update(replicas=running, readyReplicas=ready, publishedShards=published, draining=True)
-            return result
-    if desired != running:
-        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
-        change = {
-            "metadata": {"annotations": {names.LAST_SCALE_ANNOTATION: stamp}},
-            "spec": {"replicas": desired},
-        }
-        await kube.patch("StatefulSet", ns, name, change)
-        result["lastScaleTime"] = stamp
-        await events.post(
-            kube, pool, "Normal", "Scaled", f"shared Redis tier {running} -> {desired} shards{why}"
-        )
-    count = shards_to_publish(published, desired, ready)
-    if count != published:
-        await publish(kube, pool, count)
-    result.update(replicas=desired, readyReplicas=ready, publishedShards=count)
-    return result
-
-
-async def _ready_shard_pods(kube: Kube, pool: Pool) -> list[dict[str, Any]]:
-    found = await kube.list_pods(pool.namespace, {"matchLabels": objects.redis_selector(pool)})
-    return [p for p in found if pods.is_ready(p)]

@@ -7,7 +7,7 @@ maxmemory whether its chunks are wanted or not, so scaling on it only ever grew 
 Sidecars place keys on shards by rendezvous hashing, so a changed shard count moves about 1/N of
 the keys (they become misses, never errors). New shards are published to the sidecars only once
 they are ready; a removed shard is unpublished first and stopped only once every sidecar has
-stopped using it (refresh.py).
+stopped using it (shards.py, which applies the count).
 """
 
 from __future__ import annotations
@@ -58,20 +58,6 @@ def desired_shards(
     if clamp(math.ceil(demand / (shard_bytes * SHRINK_BAND)), scaling) < current:
         return current - 1
     return current
-
-
-def drained(stats: list[dict[str, Any]], expected: int, shards: int) -> bool:
-    """Whether all `expected` sidecars answered and each uses at most `shards` shards (they re-read the
-    shard list from a ConfigMap file the kubelet refreshes a minute or more after it changes)."""
-    using = [((s.get("tiers") or {}).get("redis") or {}).get("shards") for s in stats]
-    return len(using) >= expected and all(isinstance(n, int) and n <= shards for n in using)
-
-
-def shards_to_publish(published: int | None, desired: int, ready: int) -> int:
-    """How many shard URLs the sidecars should use: shrink at once, grow once the new shards are ready."""
-    if published is None or desired <= published or ready >= desired:
-        return desired
-    return published
 
 
 async def redis_memory_utilization(host: str, port: int, timeout: float) -> float | None:
