@@ -11,7 +11,8 @@ import pytest
 from kvtest import Proc, auth_line, start_sidecar, wait_until, write_auth
 from sidecar_support import http_json, key, load, save
 
-from kvpool_sidecar.client import SidecarClient, SidecarError
+from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.client_errors import SidecarError
 from kvpool_sidecar.wire import slot_from_json
 
 JSON = {"Content-Type": "application/json"}

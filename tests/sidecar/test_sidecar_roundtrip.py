@@ -10,7 +10,8 @@ import pytest
 from kvtest import start_sidecar
 from sidecar_support import key, payload
 
-from kvpool_sidecar.client import SidecarClient, SidecarError, checksum
+from kvpool_sidecar.client import SidecarClient, checksum
+from kvpool_sidecar.client_errors import SidecarError
 from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool_sidecar.client import SidecarUnavailable
+from kvpool_sidecar.client_errors import SidecarUnavailable
 from kvpool_sidecar.wire import arena_epoch, map_populated
 
 from .logs import connector_logger

@@ -8,7 +8,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvpool_sidecar.client import SidecarClient, SidecarError, SidecarRefused
+from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.client_errors import SidecarError, SidecarRefused
 
 from .config import KVPoolConfig, sidecar_client
 from .logs import connector_logger

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool_sidecar.client import SidecarClient, SidecarError, Slot, checksum
+from kvpool_sidecar.client import SidecarClient, Slot, checksum
+from kvpool_sidecar.client_errors import SidecarError
 
 from .arena_mapping import ArenaChanged, ArenaMapping
 from .chunk_io import ChunkIO

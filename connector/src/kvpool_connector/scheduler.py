@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpool_sidecar.client import SidecarError, SidecarTimeout
+from kvpool_sidecar.client_errors import SidecarError, SidecarTimeout
 
 from .breaker import BREAKER_SECONDS, Breaker
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec

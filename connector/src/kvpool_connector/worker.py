@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool_sidecar.client import SidecarError, SidecarRefused, SidecarTimeout, Slot, checksum
+from kvpool_sidecar.client import Slot, checksum
+from kvpool_sidecar.client_errors import SidecarError, SidecarRefused, SidecarTimeout
 from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
 from .arena_mapping import ArenaMapping

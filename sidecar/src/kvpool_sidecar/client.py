@@ -2,9 +2,9 @@
 
 Standard library and xxhash only (it runs inside vLLM). Thread-safe: connections are taken from a
 small pool per client, so many threads (and many processes, each with its own client) may call at
-once. Every failure is a SidecarError of one of two kinds: SidecarUnavailable (the sidecar cannot be
-reached, or is slow: a miss, and perhaps a reconnect) and SidecarRefused (it answered that the request
-is wrong: a bug in the caller, never retried).
+once. Every failure is a SidecarError (client_errors.py) of one of two kinds: SidecarUnavailable
+(the sidecar cannot be reached, or is slow: a miss, and perhaps a reconnect) and SidecarRefused (it
+answered that the request is wrong: a bug in the caller, never retried).
 
 Lookups and arena control messages (reserve/commit/abort/pin/verify/release) go over the Unix socket
 in the arena directory when it can be reached, else over HTTP; bench/sidecar_bench.py measures both.
@@ -15,137 +15,43 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import mmap
 import os
 import secrets
 import socket
-import threading
 import urllib.parse
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from kvpool_sidecar.batching import CLIENT_FRAME_ENTRIES
+from kvpool_sidecar.client_arena import MappedArena
+from kvpool_sidecar.client_errors import (
+    SidecarError,
+    SidecarUnavailable,
+    error_text,
+    status_error,
+    unavailable,
+)
+from kvpool_sidecar.client_transport import (
+    ConnectionPool,
+    close_quietly,
+    connect_unix,
+    frame_round_trip,
+    http_round_trip,
+)
 from kvpool_sidecar.wire import (
     ARENA_FILE,
     CONTROL_SOCKET,
-    FRAME_HEADER,
-    MAX_FRAME_BYTES,
     WRITE_TOKEN_FILE,
     Pinned,
     Slot,
     checksum,
-    encode_frame,
-    map_populated,
     slot_from_json,
     slot_to_json,
 )
 
-__all__ = [
-    "Pinned",
-    "SidecarClient",
-    "SidecarError",
-    "SidecarRefused",
-    "SidecarTimeout",
-    "SidecarUnavailable",
-    "Slot",
-    "checksum",
-]
+__all__ = ["Pinned", "SidecarClient", "Slot", "checksum"]
 
-C = TypeVar("C")
 T = TypeVar("T")
-A = TypeVar("A")  # what a round trip's first half hands its second
-R = TypeVar("R")
-
-# What a reused connection that the server closed while it sat idle fails with, before any answer
-STALE_HTTP = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
-STALE_SOCKET = (BrokenPipeError, ConnectionResetError, EOFError)
-
-
-class SidecarError(Exception):
-    """Any failure talking to the sidecar; callers turn it into a miss."""
-
-
-class SidecarUnavailable(SidecarError):
-    """The sidecar cannot be reached, timed out, or failed (5xx): try again later, reconnecting."""
-
-
-class SidecarTimeout(SidecarUnavailable):
-    """The sidecar did not answer in time (hung, or overloaded): the call waited out its timeout."""
-
-
-def _unavailable(message: str, cause: BaseException) -> SidecarUnavailable:
-    return (SidecarTimeout if isinstance(cause, TimeoutError) else SidecarUnavailable)(message)
-
-
-class SidecarRefused(SidecarError):
-    """The sidecar refused the request as wrong (4xx): a caller's bug; retrying cannot help."""
-
-
-def _status_error(status: int, message: str) -> SidecarError:
-    return SidecarRefused(message) if 400 <= status < 500 else SidecarUnavailable(message)
-
-
-class _Pool(Generic[C]):
-    """Idle connections for reuse; a connection is used by one thread at a time."""
-
-    def __init__(self, connect: Callable[[], C], close: Callable[[C], None], keep: int = 8) -> None:
-        self._connect = connect
-        self._close = close
-        self._keep = keep
-        self._idle: list[C] = []
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def connection(self) -> Iterator[tuple[C, bool]]:
-        """Yields (connection, reused). A connection that raised is closed, not returned."""
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        reused = conn is not None
-        if conn is None:
-            conn = self._connect()
-        try:
-            yield conn, reused
-        except BaseException:
-            self._close(conn)
-            raise
-        with self._lock:
-            if len(self._idle) < self._keep:
-                self._idle.append(conn)
-                return
-        self._close(conn)
-
-    def round_trip(
-        self, ask: Callable[[C], A], finish: Callable[[C, A], R], stale: tuple[type[BaseException], ...]
-    ) -> R:
-        """The one retry policy: `ask` (send, and wait for the answer's start) then `finish`, on an idle
-        connection or a new one. A reused connection the server closed while idle fails in `ask` with
-        one of `stale`: the round trip is tried once more on a new connection. Nothing else is retried:
-        a request that reached the server may have run."""
-        for attempt in (0, 1):
-            try:
-                with self.connection() as (conn, reused):
-                    try:
-                        started = ask(conn)
-                    except stale:
-                        if reused and attempt == 0:
-                            raise _Retry from None
-                        raise
-                    return finish(conn, started)
-            except _Retry:
-                continue
-        raise AssertionError("a new connection's try is never retried")
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            self._close(conn)
-
-
-def _close_quietly(conn: Any) -> None:
-    with contextlib.suppress(OSError):
-        conn.close()
 
 
 class SidecarClient:
@@ -169,17 +75,13 @@ class SidecarClient:
         self._host = parsed.hostname
         self._port = parsed.port or 80
         self._shm_path = shm_path
-        self._http: _Pool[http.client.HTTPConnection] = _Pool(
-            lambda: http.client.HTTPConnection(self._host, self._port, timeout=timeout), _close_quietly
+        self._http: ConnectionPool[http.client.HTTPConnection] = ConnectionPool(
+            lambda: http.client.HTTPConnection(self._host, self._port, timeout=timeout), close_quietly
         )
-        self._sock: _Pool[socket.socket] | None = None
+        self._sock: ConnectionPool[socket.socket] | None = None
         self._sock_checked = control == "http"
         self._control_mode = control
-        self._arena: memoryview | None = None
-        self._arena_map: mmap.mmap | None = None
-        self._arena_path: str | None = None
-        self._arena_identity = (-1, -1)
-        self._arena_lock = threading.Lock()
+        self._arena = MappedArena()
         self._token: str | None = None
 
     # --- transport ---------------------------------------------------------------------------------
@@ -221,55 +123,32 @@ class SidecarClient:
         body: bytes | bytearray | memoryview | None,
         headers: dict[str, str] | None,
     ) -> tuple[int, bytes]:
-        def ask(conn: http.client.HTTPConnection) -> tuple[http.client.HTTPResponse, bytes]:
-            conn.request(method, path, body=body, headers=headers or {})
-            resp = conn.getresponse()
-            return resp, resp.read()
-
-        def finish(
-            conn: http.client.HTTPConnection, got: tuple[http.client.HTTPResponse, bytes]
-        ) -> tuple[int, bytes]:
-            resp, data = got
-            if resp.will_close:
-                conn.close()
-            return resp.status, data
-
         try:
-            return self._http.round_trip(ask, finish, STALE_HTTP)
+            return http_round_trip(self._http, method, path, body, headers)
         except (OSError, http.client.HTTPException) as e:
-            raise _unavailable(f"{method} {self.url}{path}: {e!r}", e) from e
+            raise unavailable(f"{method} {self.url}{path}: {e!r}", e) from e
 
     def _json(self, method: str, path: str, payload: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
         body = json.dumps(payload).encode() if payload is not None else None
         headers = {"Content-Type": "application/json"} if body is not None else {}
         status, data = self._request(method, path, body, headers)
         if status not in ok:
-            raise _status_error(status, f"{method} {path}: HTTP {status}: {_error_text(data)}")
+            raise status_error(status, f"{method} {path}: HTTP {status}: {error_text(data)}")
         try:
             return json.loads(data) if data else {}
         except ValueError as e:
             raise SidecarUnavailable(f"{method} {path}: answer is not JSON") from e
 
-    def _socket_pool(self) -> _Pool[socket.socket] | None:
+    def _socket_pool(self) -> ConnectionPool[socket.socket] | None:
         """The Unix-socket pool, if the control socket exists where this process sees the arena."""
         if not self._sock_checked:
             path = self._socket_path()  # raises while the sidecar is unreachable: asked again next time
             self._sock_checked = True
             if path and os.path.exists(path):
-                self._sock = _Pool(lambda: self._connect_unix(path), _close_quietly)
+                self._sock = ConnectionPool(lambda: connect_unix(path, self.timeout), close_quietly)
             elif self._control_mode == "socket":
                 raise SidecarUnavailable(f"no control socket at {path}")
         return self._sock
-
-    def _connect_unix(self, path: str) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        try:
-            s.connect(path)
-        except OSError:
-            s.close()
-            raise
-        return s
 
     def _socket_path(self) -> str | None:
         if self._shm_path is not None:
@@ -283,24 +162,14 @@ class SidecarClient:
         if pool is None:
             return self._json("POST", "/v1/lookup" if op == "lookup" else f"/v1/arena/{op}", body)
 
-        def ask(sock: socket.socket) -> bytes:
-            sock.sendall(encode_frame({"op": op, "body": body}))
-            return _recv_exactly(sock, FRAME_HEADER.size)
-
-        def finish(sock: socket.socket, header: bytes) -> Any:
-            (size,) = FRAME_HEADER.unpack(header)
-            if size > MAX_FRAME_BYTES:
-                raise SidecarUnavailable("control frame too large")
-            return json.loads(_recv_exactly(sock, size))
-
         try:
-            answer = pool.round_trip(ask, finish, STALE_SOCKET)
+            answer = frame_round_trip(pool, op, body)
         except (OSError, EOFError, ValueError) as e:
-            raise _unavailable(f"control {op} over {self._socket_path_hint()}: {e!r}", e) from e
+            raise unavailable(f"control {op} over {self._socket_path_hint()}: {e!r}", e) from e
         status = answer.get("status")
         if status != 200:
             message = f"control {op}: {status}: {answer.get('body', {}).get('error')}"
-            raise _status_error(status if isinstance(status, int) else 500, message)
+            raise status_error(status if isinstance(status, int) else 500, message)
         return answer["body"]
 
     def _socket_path_hint(self) -> str:
@@ -348,7 +217,7 @@ class SidecarClient:
             return True
         if status == 507:
             return False
-        raise _status_error(status, f"PUT chunk {key}: HTTP {status}: {_error_text(body)}")
+        raise status_error(status, f"PUT chunk {key}: HTTP {status}: {error_text(body)}")
 
     def get(self, key: str) -> bytes | None:
         status, body = self._request("GET", f"/v1/chunks/{key}")
@@ -356,7 +225,7 @@ class SidecarClient:
             return body
         if status == 404:
             return None
-        raise _status_error(status, f"GET chunk {key}: HTTP {status}: {_error_text(body)}")
+        raise status_error(status, f"GET chunk {key}: HTTP {status}: {error_text(body)}")
 
     def delete(self, key: str) -> bool:
         status, body = self._request("DELETE", f"/v1/chunks/{key}")
@@ -364,7 +233,7 @@ class SidecarClient:
             return True
         if status == 404:
             return False
-        raise _status_error(status, f"DELETE chunk {key}: HTTP {status}: {_error_text(body)}")
+        raise status_error(status, f"DELETE chunk {key}: HTTP {status}: {error_text(body)}")
 
     def report_engine(self, engine: str, report: Mapping[str, Any]) -> None:
         """PUT /v1/engines/<engine>: whether kvpool serves this vLLM engine (schemas.EngineReport)."""
@@ -373,37 +242,8 @@ class SidecarClient:
     # --- zero-copy arena path: one round trip per batch ---------------------------------------------
 
     def arena(self) -> memoryview:
-        """A writable mapping of the whole arena (mapped once, cached).
-
-        The first call maps the whole arena with its page tables filled (MAP_POPULATE): a one-time
-        cost (0.1-0.5 s per GiB on the 2-core dev VM) that saves a page fault per 4 KiB during
-        copies, which held saves at a fifth of their speed.
-        A restarted sidecar keeps the arena file; should the file at the path be another one or
-        another size (a new pod volume, a new --capacity), the mapping is renewed (a stat per call,
-        about a microsecond). Views handed out before stay on the old file: bytes written there are
-        never committed, so never served.
-        """
-        with self._arena_lock:
-            path = self._arena_file() if self._arena_path is None else self._arena_path
-            try:
-                st = os.stat(path)
-            except OSError as e:
-                raise SidecarUnavailable(f"cannot find the arena {path}: {e!r}") from e
-            if self._arena is not None and (st.st_ino, st.st_size) == self._arena_identity:
-                return self._arena
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    size = os.fstat(fd).st_size
-                    self._arena_map = map_populated(fd, size)
-                    self._arena_identity = (os.fstat(fd).st_ino, size)
-                finally:
-                    os.close(fd)
-            except (OSError, ValueError) as e:
-                raise SidecarUnavailable(f"cannot map the arena {path}: {e!r}") from e
-            self._arena_path = path
-            self._arena = memoryview(self._arena_map)
-            return self._arena
+        """A writable mapping of the whole arena (mapped once, cached; see MappedArena.view)."""
+        return self._arena.view(self._arena_file)
 
     def arena_info(self) -> dict[str, Any]:
         """GET /v1/arena: the arena's path and size, the control socket, the largest chunk allowed."""
@@ -485,14 +325,7 @@ class SidecarClient:
         self._http.close()
         if self._sock is not None:
             self._sock.close()
-        with self._arena_lock:
-            if self._arena is not None:
-                self._arena.release()
-                self._arena = None
-            if self._arena_map is not None:
-                with contextlib.suppress(BufferError):  # the caller still holds views; unmapped at exit
-                    self._arena_map.close()
-                self._arena_map = None
+        self._arena.close()
 
     def __enter__(self) -> SidecarClient:
         return self
@@ -502,29 +335,6 @@ class SidecarClient:
 
 
 def _slices(entries: list[T]) -> Iterator[list[T]]:
-    """A batch in frames of CLIENT_CLIENT_FRAME_ENTRIES (batching.py)."""
+    """A batch in frames of CLIENT_FRAME_ENTRIES (batching.py)."""
     for start in range(0, len(entries), CLIENT_FRAME_ENTRIES):
         yield entries[start : start + CLIENT_FRAME_ENTRIES]
-
-
-class _Retry(Exception):
-    pass
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("control socket closed")
-        got += k
-    return bytes(buf)
-
-
-def _error_text(data: bytes) -> str:
-    try:
-        return str(json.loads(data).get("error"))
-    except (ValueError, AttributeError):
-        return data[:200].decode(errors="replace")
