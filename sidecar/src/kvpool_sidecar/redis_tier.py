@@ -33,6 +33,7 @@ from typing import cast
 import redis
 
 from kvpool_sidecar import metrics
+from kvpool_sidecar.promotion import Fetched
 from kvpool_sidecar.redis_format import (
     MAGIC,
     META,
@@ -44,7 +45,7 @@ from kvpool_sidecar.redis_format import (
 )
 from kvpool_sidecar.redis_shard import Shard, Shards
 from kvpool_sidecar.settings import Settings
-from kvpool_sidecar.store import Fetched, Store
+from kvpool_sidecar.store import Store
 
 log = logging.getLogger(__name__)
 

@@ -14,18 +14,17 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
 
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.batching import LOCKED_SLICE
-from kvpool_sidecar.chunk_index import ChunkIndex, Counters, Entry, Lease
-from kvpool_sidecar.wire import ARENA_HEADER, Slot, checksum, checksum_pieces
+from kvpool_sidecar.chunk_index import ChunkIndex, Counters, Entry
+from kvpool_sidecar.promotion import LowerTier, Promotions
+from kvpool_sidecar.wire import ARENA_HEADER, Slot, checksum
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Counters", "Fetched", "LowerTier", "PutResult", "Store"]
+__all__ = ["Counters", "PutResult", "Store"]
 
 
 class PutResult(Enum):
@@ -34,26 +33,6 @@ class PutResult(Enum):
     FULL = "full"  # no room even after eviction
     BUSY = "busy"  # another client is writing this key right now
     EXPIRED = "expired"  # the reservation expired while the body was written: nothing stored
-
-
-@dataclass(frozen=True)
-class Fetched:
-    """A chunk read from a lower tier, to be promoted into the arena."""
-
-    length: int
-    checksum: int
-    priority: int
-    pieces: list[bytes] = field(repr=False)
-
-
-class LowerTier(Protocol):
-    """What the store needs from the Redis tier (None when there is none)."""
-
-    def usable(self) -> bool: ...
-    def saved(self, key: str, length: int, group: str | None) -> None: ...
-    def deleted(self, key: str) -> None: ...
-    def exists_many(self, keys: Sequence[str]) -> list[bool]: ...
-    def fetch(self, key: str) -> Fetched | None: ...
 
 
 class Store:
@@ -74,7 +53,7 @@ class Store:
         self.counters = self.index.counters
         self.lower: LowerTier | None = None
         self._lock = threading.RLock()
-        self._promoting: dict[str, threading.Event] = {}  # key -> set when its promotion ends
+        self._promotions = Promotions(self.index, arena, self._lock, lease_seconds)
         self.arena_fault: str | None = None  # the last header found changed behind the sidecar
 
     def _check_arena(self) -> None:
@@ -188,7 +167,7 @@ class Store:
                     self.index.unpin(e)
             del entries[good:]
         if promote and len(entries) < len(keys):  # a corrupt chunk may still have a good copy in Redis
-            self._promote_into(keys[len(entries) :], lease)
+            self._promotions.promote_into(self.lower, keys[len(entries) :], lease)
         with self._lock:
             if lease.expired:  # expired while we worked: hand nothing out
                 return lease_id, []
@@ -239,71 +218,6 @@ class Store:
                 with self._lock:
                     self.index.unpin(e)
         return dropped
-
-    # --- promotions from the lower tier -------------------------------------------------------------
-
-    def _promote_into(self, keys: Sequence[str], lease: Lease) -> None:
-        """Loads chunks from the lower tier into the arena, pinned under the caller's lease."""
-        lower = self.lower
-        if lower is None or not lower.usable():
-            return
-        for key in keys:
-            if not self._promote(key, lease):
-                return
-
-    def _promote(self, key: str, lease: Lease) -> bool:
-        """Pins `key` from the lower tier into the arena. A second promotion of the same key waits for
-        the first and takes its result instead of failing."""
-        while True:
-            with self._lock:
-                e = self.index.entry(key)
-                if e is not None and e.stored:  # someone promoted or saved it meanwhile
-                    return self.index.pin_into(e, lease)
-                running = self._promoting.get(key)
-                if running is None:
-                    if e is not None:  # being written by a client: not loadable yet
-                        return False
-                    done = self._promoting[key] = threading.Event()
-                    break
-            if not running.wait(self.lease_seconds):
-                return False
-        try:
-            return self._promote_now(key, lease)
-        finally:
-            with self._lock:
-                del self._promoting[key]
-            done.set()
-
-    def _promote_now(self, key: str, lease: Lease) -> bool:
-        assert self.lower is not None
-        fetched = self.lower.fetch(key)
-        if fetched is None:
-            return False
-        # checked over the pieces we were given, never over the arena (which others map)
-        if (
-            sum(map(len, fetched.pieces)) != fetched.length
-            or checksum_pieces(fetched.pieces) != fetched.checksum
-        ):
-            log.warning("chunk %s from the lower tier failed its checksum: not served, deleted", key)
-            with self._lock:
-                self.counters.corrupt_dropped += 1
-            self.lower.deleted(key)  # what is left there is no use to anyone: the next save writes it anew
-            return False
-        with self._lock:
-            protect = {e.key for e in lease.entries}
-            e = self.index.reserve_promotion(key, fetched.length, fetched.priority, protect)
-            if e is None:
-                return False
-        pos = e.offset
-        for piece in fetched.pieces:
-            self.arena.view[pos : pos + len(piece)] = piece
-            pos += len(piece)
-        with self._lock:
-            if e.dropped:  # the reservation expired meanwhile
-                return False
-            self.index.store(e, fetched.checksum)
-            self.counters.promotions += 1
-            return self.index.pin_into(e, lease)
 
     def describe(self, key: str) -> tuple[int, int] | None:
         """(checksum, priority) of a stored chunk."""
