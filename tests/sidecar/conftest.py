@@ -1,11 +1,32 @@
-"""Fixtures of the sidecar tests: Redis variants the shared `redis` fixture does not start."""
+"""Fixtures of the sidecar tests: the API in this process, and Redis variants the shared `redis` fixture
+does not start."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from kvtest import free_port, redis_call, redis_with, wait_until
+from fastapi.testclient import TestClient
+from kvtest import free_port, redis_call, redis_with, wait_until, write_auth
+
+from kvpool_sidecar.app import create_app
+from kvpool_sidecar.service import Sidecar
+from kvpool_sidecar.settings import parse_settings
+
+
+@pytest.fixture
+def api(tmp_path: Path) -> Iterator[TestClient]:
+    """The sidecar's whole HTTP API served in this process by FastAPI's TestClient (no uvicorn, no port):
+    for tests of what the API answers. Writes carry the write token; `api.app.state.sidecar` is the
+    Sidecar behind it. Tests of the wire (raw sockets, half-closes) and of the client start a process."""
+    argv = ["--arena-dir", str(tmp_path / "arena"), "--capacity", "4Mi", "--max-chunk-bytes", "1Mi"]
+    sidecar = Sidecar.build(parse_settings(argv, environ={}))
+    try:
+        with TestClient(create_app(sidecar), headers=write_auth(sidecar.settings.arena_dir)) as client:
+            yield client
+    finally:
+        sidecar.close()
 
 
 @pytest.fixture

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from kvtest import free_port, http_ok, wait_until
-from sidecar_support import http_json, key
+from sidecar_support import key
 
-from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.app import create_status_app
 from kvpool_sidecar.settings import parse_quantity, parse_settings
 
 
@@ -60,36 +61,28 @@ def test_bad_flag_values_exit_with_a_message(capsys) -> None:
         assert "capacity" in capsys.readouterr().err or "lease" in argv[0]
 
 
-def test_status_port_serves_only_the_read_only_routes(sidecar_factory) -> None:
-    status_port = free_port()
-    proc = sidecar_factory("4Mi", [], "--status-port", str(status_port), "--status-host", "127.0.0.1")
-    status = f"http://127.0.0.1:{status_port}"
-    wait_until(lambda: http_ok(status + "/healthz"), 10, "the status port")
+def test_status_port_serves_only_the_read_only_routes(api) -> None:
+    status = TestClient(create_status_app(api.app.state.sidecar), headers=api.headers)
     for path in ("/healthz", "/readyz", "/stats", "/metrics"):
-        assert http_ok(status + path), path
-    assert (
-        http_json(status + "/v1/lookup", "POST", b'{"keys": []}', {"Content-Type": "application/json"})[0]
-        == 404
-    )
-    assert http_json(f"{status}/v1/chunks/{key(1)}", "PUT", b"x")[0] in (404, 405)
-    assert http_json(status + "/v1/arena")[0] == 404
-    assert http_json(proc.info["url"] + "/v1/arena")[0] == 200
+        assert status.get(path).status_code == 200, path
+    assert status.post("/v1/lookup", json={"keys": []}).status_code == 404
+    assert status.put(f"/v1/chunks/{key(1)}", content=b"x").status_code in (404, 405)
+    assert status.get("/v1/arena").status_code == 404
+    assert api.get("/v1/arena").status_code == 200
 
 
-def test_stats_and_metrics(sidecar_factory) -> None:
-    proc = sidecar_factory("4Mi")
-    c = SidecarClient(proc.info["url"])
-    c.put(key(1), b"a" * 1000)
-    c.lookup([key(1), key(2)])
-    stats = c.stats()
+def test_stats_and_metrics(api) -> None:
+    api.put(f"/v1/chunks/{key(1)}", content=b"a" * 1000)
+    api.post("/v1/lookup", json={"keys": [key(1), key(2)]})
+    stats = api.get("/stats").json()
     for name in ("hits", "misses", "hit_rate", "stored_bytes", "capacity_bytes", "chunks", "evictions",
                  "bytes_in", "bytes_out", "tiers"):  # fmt: skip
         assert name in stats
     assert (stats["hits"], stats["misses"], stats["hit_rate"]) == (1, 1, 0.5)
     assert stats["tiers"]["cpu"]["stored_bytes"] == 1000
-    status, text = http_json(proc.info["url"] + "/metrics")
-    assert status == 200
-    lines = text.decode().splitlines()
+    answer = api.get("/metrics")
+    assert answer.status_code == 200
+    lines = answer.text.splitlines()
     assert "kvpool_stored_bytes 1000.0" in lines and "kvpool_ready 1.0" in lines
     assert all(ln.startswith(("# ", "kvpool_")) for ln in lines)
 
