@@ -18,10 +18,10 @@ import yaml
 from bench.stats import latencies_ms, load_note
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "operator"))
-from kubeapi import KubeAPI, MemoryGauge, OperatorThread, listening, pool_path
-from kvtest import REPO, free_port, wait_until
-from webhooks import review
+from kubeharness.emulator import KubeAPI, MemoryGauge, OperatorThread
+from kubeharness.objects import CRD_PATH, pool_manifest, pool_path, port_open
+from kubeharness.webhooks import review
+from kvtest import free_port, wait_until
 
 from kvpool_operator.injection import decide
 from kvpool_operator.pool import parse_pool
@@ -47,7 +47,7 @@ def pod(app: str) -> dict:
 
 def main() -> None:
     print(f" {load_note()}")
-    crd = yaml.safe_load((REPO / "crds" / "kvcachepool.yaml").read_text())
+    crd = yaml.safe_load(CRD_PATH.read_text())
     api = KubeAPI(crd)
     api.create(
         "/apis/kopf.dev/v1/clusterkopfpeerings",
@@ -69,16 +69,10 @@ def main() -> None:
             MemoryGauge(),
         )
         try:
-            wait_until(lambda: operator.ready_flag.is_set() and listening(port), 60, "the operator")
-            api.create(
-                pool_path("bench"),
-                {
-                    "apiVersion": "kvpool.dev/v1alpha1",
-                    "kind": "KVCachePool",
-                    "metadata": {"name": "p", "namespace": "bench"},
-                    "spec": SPEC,
-                },
+            wait_until(
+                lambda: operator.ready_flag.is_set() and port_open("127.0.0.1", port), 60, "the operator"
             )
+            api.create(pool_path("bench"), pool_manifest("bench", "p", SPEC))
             url = f"http://127.0.0.1:{port}/kvpool-inject"
             wait_until(lambda: "patch" in review(url, pod("vllm"), "bench"), 60, "the pool indexed")
             for what, app in (

@@ -17,7 +17,6 @@ in place of the cluster one, plus that namespace listing (kopf's observation.nam
 from __future__ import annotations
 
 import ast
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +25,9 @@ from typing import Any
 import pytest
 import yaml
 from chartkit import CHART, REPO, find, of_kind
+from kubeharness.emulator import KubeAPI, MemoryGauge, operator_on_kmock
+from kubeharness.objects import CRD_PATH, apps_path, core_path, pool_path
 from kvtest import free_port, wait_until
-
-sys.path.insert(0, str(REPO / "tests" / "operator"))
-from kubeapi import KubeAPI, MemoryGauge, apps_path, core_path, operator_on_kmock, pool_path
 
 from kvpool_operator import kube
 
@@ -142,7 +140,7 @@ def external_pool(namespace: str) -> dict[str, Any]:
 
 def run_scenario(tmp: Path) -> list[Request]:
     """Pools created, a pod matched, the shared tier scaled up, pools deleted; returns the requests."""
-    crd = yaml.safe_load((REPO / "crds" / "kvcachepool.yaml").read_text())
+    crd = yaml.safe_load(CRD_PATH.read_text())
     memory = MemoryGauge()
     argv = ["--webhook-insecure", "--webhook-addr", "127.0.0.1", "--webhook-port", str(free_port()),
             "--stats-interval", "0.3", "--scale-cooldown", "0",

@@ -7,10 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from controlplane import ControlPlane, crd_established, have_binaries, kubectl_binary
-from kvtest import REPO, need, wait_until
-
-CRD_PATH = REPO / "crds" / "kvcachepool.yaml"
+from kubeharness.controlplane import ControlPlane, crd_established, have_binaries, kubectl_binary
+from kubeharness.objects import CRD_PATH
+from kvtest import need, wait_until
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -4,7 +4,7 @@ test waits on a pod's readiness."""
 
 from __future__ import annotations
 
-from controlplane import NODE_NAME, ControlPlane, get_json
+from kubeharness.controlplane import NODE_NAME, ControlPlane, get_json
 from kvtest import wait_until
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
-from controlplane import ControlPlane, get_json
+from kubeharness.controlplane import ControlPlane, get_json
+from kubeharness.objects import pool_manifest
 from kvtest import REPO
 
 from kvpool_operator.names import redis_name
@@ -22,12 +23,7 @@ NAMESPACE = "crd-tests"
 
 
 def pool(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpool.dev/v1alpha1",
-        "kind": "KVCachePool",
-        "metadata": {"name": "p", "namespace": NAMESPACE},
-        "spec": {"selector": {"matchLabels": {"app": "vllm"}}, **spec},
-    }
+    return pool_manifest(NAMESPACE, "p", {"selector": {"matchLabels": {"app": "vllm"}}, **spec})
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from controlplane import ControlPlane, get_json
-from kubelet import CUSTOM_STATUS, LocalKubelet
+from kubeharness.controlplane import ControlPlane, get_json
+from kubeharness.kubelet import CUSTOM_STATUS, LocalKubelet
+from kubeharness.objects import pool_manifest
+from kubeharness.operatorkit import apply, forbidden_calls, helm, namespace, pool_ready, restricted_pod_spec
 from kvtest import REPO, wait_until
-from operatorkit import apply, forbidden_calls, helm, namespace, pool_ready, restricted_pod_spec
 from podchecks import untouched
 
 RELEASE, NAMESPACE, PEERING = "ha", "kvpool-ha", "kvpool-ha"
@@ -55,12 +56,8 @@ def available(cp: ControlPlane) -> int:
 
 
 def pool(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpool.dev/v1alpha1",
-        "kind": "KVCachePool",
-        "metadata": {"name": name, "namespace": WORKLOAD},
-        "spec": {"selector": {"matchLabels": {"pool": name}}, "capacity": "64Mi", "vllmContainer": "vllm"},
-    }
+    spec = {"selector": {"matchLabels": {"pool": name}}, "capacity": "64Mi", "vllmContainer": "vllm"}
+    return pool_manifest(WORKLOAD, name, spec)
 
 
 def pod(name: str, pool_name: str) -> dict[str, Any]:

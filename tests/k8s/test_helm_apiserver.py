@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from controlplane import ControlPlane, crd_established, get_json
+from kubeharness.controlplane import ControlPlane, crd_established, get_json
+from kubeharness.operatorkit import helm
 from kvtest import REPO, wait_until
-from operatorkit import helm
 
 RELEASE, NAMESPACE, PEERING = "lifecycle", "kvpool-lifecycle", "kvpool-lifecycle"
 FULLNAME = f"{RELEASE}-kvpool"  # the chart names its objects <release>-kvpool

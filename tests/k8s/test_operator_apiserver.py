@@ -10,7 +10,6 @@ operator (fail-open).
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import contextlib
 import json
@@ -21,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controlplane import ControlPlane, condition, get_json
-from kubelet import CUSTOM_STATUS
-from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until, write_auth
-from operatorkit import (
+from kubeharness.controlplane import ControlPlane, get_json
+from kubeharness.kubelet import CUSTOM_STATUS
+from kubeharness.objects import condition, pool_manifest, secret_value
+from kubeharness.operatorkit import (
     RELEASE,
     RELEASE_NAMESPACE,
     LocalOperator,
@@ -40,6 +39,7 @@ from operatorkit import (
     start_operator_as,
     webhook_routed,
 )
+from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until, write_auth
 from podchecks import assert_injected, sidecar_of, untouched
 
 from kvpool_operator.kube import RBAC
@@ -80,18 +80,13 @@ def operator(
 
 
 def cpu_pool(ns: str, name: str = "llama", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "kvpool.dev/v1alpha1",
-        "kind": "KVCachePool",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "selector": {"matchLabels": {"app": "vllm"}},
-            "capacity": "64Mi",
-            "chunkSize": 32,
-            "vllmContainer": "vllm",
-            **spec,
-        },
+    base = {
+        "selector": {"matchLabels": {"app": "vllm"}},
+        "capacity": "64Mi",
+        "chunkSize": 32,
+        "vllmContainer": "vllm",
     }
+    return pool_manifest(ns, name, {**base, **spec})
 
 
 def restricted_deployment(ns: str, replicas: int = 2, name: str = "vllm") -> dict[str, Any]:
@@ -647,10 +642,8 @@ def _pod_with_sidecar(
 
 
 def _pool_key(cp: ControlPlane, ns: str) -> str:
-    secret = get_json(
-        cp, "-n", ns, "secret", "llama-kvpool-key"
-    )  # made by the operator (the test may read it)
-    return base64.b64decode(secret["data"]["pool-key"]).decode()
+    # made by the operator (the test may read it)
+    return secret_value(get_json(cp, "-n", ns, "secret", "llama-kvpool-key"), "pool-key")
 
 
 def test_a_healthy_pool_with_a_serving_sidecar_is_ready(
@@ -901,7 +894,7 @@ def _kubelet_refresh(cp: ControlPlane, ns: str, path: Path) -> None:
 
 
 def _secret_password(cp: ControlPlane, ns: str, name: str) -> str:
-    return base64.b64decode(get_json(cp, "-n", ns, "secret", name)["data"]["password"]).decode()
+    return secret_value(get_json(cp, "-n", ns, "secret", name), "password")
 
 
 # --- RBAC, again, and fail-open (last: it stops the operator) ---------------------------------------

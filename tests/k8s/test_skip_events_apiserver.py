@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from controlplane import ControlPlane, get_json
+from kubeharness.controlplane import ControlPlane, get_json
 
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pool import parse_pool

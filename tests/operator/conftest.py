@@ -5,10 +5,10 @@ from typing import Any
 
 import pytest
 import yaml
-from kubeapi import Cluster, MemoryGauge, listening, operator_on_kmock
-from kvtest import REPO, free_port, wait_until
+from kubeharness.emulator import Cluster, MemoryGauge, operator_on_kmock
+from kubeharness.objects import CRD_PATH, port_open
+from kvtest import free_port, wait_until
 
-CRD_PATH = REPO / "crds" / "kvcachepool.yaml"
 SCALE_COOLDOWN = 3600  # tests move status.sharedTier.lastScaleTime back instead of waiting out a cooldown
 
 
@@ -40,5 +40,5 @@ def cluster(crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> It
         "",
     ]
     with operator_on_kmock(crd, tmp_path_factory.mktemp("kube"), argv, memory) as (api, operator):
-        wait_until(lambda: listening(port), 30, "the webhook server")
+        wait_until(lambda: port_open("127.0.0.1", port), 30, "the webhook server")
         yield Cluster(api, operator, memory, f"http://127.0.0.1:{port}/kvpool-inject")

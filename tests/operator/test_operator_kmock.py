@@ -1,6 +1,6 @@
 """The operator against kmock (a Kubernetes API emulator): pools become ConfigMaps, status, a shared
 Redis tier; spec changes and outdated pods; stats from a real sidecar; scaling and its cooldown;
-deletion. kmock's gaps are worked around in tests/operator/kubeapi.py, never in the operator."""
+deletion. kmock's gaps are worked around in tests/kubeharness/emulator.py, never in the operator."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from kubeapi import Cluster, apps_path, core_path, pool_path, secret_value, wait_indexed
+from kubeharness.emulator import Cluster, wait_indexed
+from kubeharness.objects import apps_path, core_path, pool_manifest, pool_path, secret_value
+from kubeharness.webhooks import admitted, take_skip_reason
 from kvtest import free_port, wait_until
-from webhooks import admitted, take_skip_reason
 
 from kvpool_connector.config import load_config
 from kvpool_operator import kube
@@ -24,15 +25,7 @@ _created: list[tuple[str, str]] = []
 
 def create_pool(cluster: Cluster, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     _created.append((namespace, name))
-    return cluster.api.create(
-        pool_path(namespace),
-        {
-            "apiVersion": "kvpool.dev/v1alpha1",
-            "kind": "KVCachePool",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": spec,
-        },
-    )
+    return cluster.api.create(pool_path(namespace), pool_manifest(namespace, name, spec))
 
 
 @pytest.fixture(autouse=True)

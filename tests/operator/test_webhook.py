@@ -10,10 +10,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kubeapi import Cluster, pool_path, wait_indexed
+from kubeharness.emulator import Cluster, wait_indexed
+from kubeharness.objects import pool_manifest, pool_path
+from kubeharness.webhooks import admitted, review, take_skip_reason
 from kvtest import wait_until
 from podchecks import sidecar_of
-from webhooks import admitted, review, take_skip_reason
 
 from kvpool_operator.injected_parts import digest
 from kvpool_operator.injection import decide, remove_injection
@@ -25,15 +26,7 @@ NS = "web"
 
 
 def make_pool(cluster: Cluster, name: str, spec: dict[str, Any], namespace: str = NS) -> None:
-    cluster.api.create(
-        pool_path(namespace),
-        {
-            "apiVersion": "kvpool.dev/v1alpha1",
-            "kind": "KVCachePool",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": spec,
-        },
-    )
+    cluster.api.create(pool_path(namespace), pool_manifest(namespace, name, spec))
     wait_until(
         lambda: (cluster.api.get(pool_path(namespace, name)) or {}).get("status", {}).get("connectorConfig"),
         30,

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubeapi import KubeAPI, MemoryGauge, OperatorThread, listening, pool_path
+from kubeharness.emulator import KubeAPI, MemoryGauge, OperatorThread
+from kubeharness.objects import pool_path, port_open
+from kubeharness.webhooks import review
 from kvtest import free_port, need, wait_until
-from webhooks import review
 
 NS = "tls"
 
@@ -53,7 +54,7 @@ def tls_operator(
         try:
             wait_until(lambda: operator.ready_flag.is_set() or operator.error, 60, "the operator to start")
             assert operator.error is None, operator.error
-            wait_until(lambda: listening(port), 30, "the webhook server")
+            wait_until(lambda: port_open("127.0.0.1", port), 30, "the webhook server")
             yield api, f"https://127.0.0.1:{port}/kvpool-inject", d / "tls.crt"
         finally:
             operator.stop()

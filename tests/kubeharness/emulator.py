@@ -9,11 +9,9 @@ validation, defaulting or garbage collection (tests check ownerReferences instea
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import itertools
 import json
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -28,6 +26,7 @@ import kopf
 import pytest
 from kvtest import wait_until
 
+from kubeharness.objects import pool_path, write_kubeconfig
 from kvpool_operator.cli import build
 from kvpool_operator.pool import Pool, parse_pool
 
@@ -98,19 +97,7 @@ class KubeAPI:
             self.thread.stop()
 
     def kubeconfig(self, path: Path) -> Path:
-        path.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-                    "users": [{"name": "test", "user": {"token": "test-token"}}],
-                    "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
-                    "current-context": "kmock",
-                }
-            )
-        )
-        return path
+        return write_kubeconfig(path, self.url, {"token": "test-token"})
 
     # --- what tests read -----------------------------------------------------------------------
 
@@ -175,25 +162,6 @@ class KubeAPI:
         return [e for e in items if e.get("involvedObject", {}).get("name") == name]
 
 
-def pool_path(namespace: str, name: str | None = None) -> str:
-    path = f"/apis/kvpool.dev/v1alpha1/namespaces/{namespace}/kvcachepools"
-    return f"{path}/{name}" if name else path
-
-
-def core_path(namespace: str, plural: str, name: str | None = None) -> str:
-    path = f"/api/v1/namespaces/{namespace}/{plural}"
-    return f"{path}/{name}" if name else path
-
-
-def apps_path(namespace: str, plural: str, name: str | None = None) -> str:
-    path = f"/apis/apps/v1/namespaces/{namespace}/{plural}"
-    return f"{path}/{name}" if name else path
-
-
-def secret_value(secret: dict[str, Any], key: str) -> str:
-    return base64.b64decode(secret["data"][key]).decode()
-
-
 class MemoryGauge:
     """The shared tier's memory utilization as the test sets it, per pool name (None: unknown)."""
 
@@ -204,16 +172,6 @@ class MemoryGauge:
     async def __call__(self, pool: Pool, shard_pods: list[dict[str, Any]]) -> float | None:
         self.reads[pool.name] = self.reads.get(pool.name, 0) + 1
         return self.values.get(pool.name)
-
-
-def listening(port: int) -> bool:
-    """True once something accepts connections on the loopback port (kopf starts its webhook
-    server after it reports ready)."""
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
 
 
 class OperatorThread:

@@ -16,8 +16,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from controlplane import ControlPlane, get_json
 from kvtest import Proc
+
+from kubeharness.controlplane import ControlPlane, get_json
 
 CUSTOM_STATUS = {"kwok.x-k8s.io/status": "custom"}  # kwok --disregard-status-with-annotation-selector
 _addresses = (f"127.89.{i // 250}.{i % 250 + 1}" for i in itertools.count())
@@ -66,7 +67,7 @@ class LocalKubelet:
                 print(f"local kubelet: {e!r}")
 
     def _sync(self) -> None:
-        from operatorkit import spawn_operator_as
+        from kubeharness.operatorkit import spawn_operator_as
 
         pods = get_json(self.cp, "-n", self.namespace, "pods", "-l", self.selector)["items"]
         seen = set()

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controlplane import ControlPlane, condition, get_json, port_open
-from kubelet import readiness_probe_passes
 from kvtest import REPO, Proc, spawn, wait_until
+
+from kubeharness.controlplane import ControlPlane, get_json
+from kubeharness.kubelet import readiness_probe_passes
+from kubeharness.objects import condition, port_open
 
 CHART = REPO / "charts" / "kvpool"
 HELM = REPO / ".tools" / "bin" / "helm"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import urllib.request
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtest import REPO, Proc, free_port, http_ok, spawn, wait_until
+
+from kubeharness.objects import condition, write_kubeconfig
 
 BIN = REPO / ".tools" / "k8s" / "bin"
 STAGES = REPO / ".tools" / "k8s" / "stages"
@@ -94,7 +95,7 @@ class ControlPlane:
         return self.dir / "admin.kubeconfig"
 
     def start(self) -> ControlPlane:
-        from servicenet import ServiceNetwork
+        from kubeharness.servicenet import ServiceNetwork
 
         self.pki = PKI(self.dir / "pki").make()
         try:
@@ -203,7 +204,7 @@ class ControlPlane:
         argv: list[str | Path] = [
             binary("kwok"), "--kubeconfig", self.kubeconfig,
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            # pods that tests/k8s/kubelet.py runs for real: kwok leaves their status alone
+            # pods that kubeharness/kubelet.py runs for real: kwok leaves their status alone
             "--disregard-status-with-annotation-selector=kwok.x-k8s.io/status=custom",
             "--cidr", POD_CIDR, "--node-ip", "127.88.255.254",
             # the node's heartbeat is its Lease, renewed as a kubelet does: the heartbeat-with-lease stage
@@ -235,15 +236,7 @@ class ControlPlane:
     # --- clients ---------------------------------------------------------------------------------
 
     def write_kubeconfig(self, path: Path, user: dict[str, str]) -> Path:
-        config = {
-            "apiVersion": "v1", "kind": "Config", "current-context": "kvpool-test",
-            "clusters": [{"name": "kvpool-test", "cluster": {
-                "server": self.server, "certificate-authority": self.pki.path("ca.crt")}}],
-            "users": [{"name": "user", "user": user}],
-            "contexts": [{"name": "kvpool-test", "context": {"cluster": "kvpool-test", "user": "user"}}],
-        }  # fmt: skip
-        path.write_text(json.dumps(config))
-        return path
+        return write_kubeconfig(path, self.server, user, ca=self.pki.path("ca.crt"))
 
     @functools.cached_property
     def ssl_context(self) -> ssl.SSLContext:
@@ -285,13 +278,6 @@ def get_json(cp: ControlPlane, *args: str) -> Any:
     return json.loads(cp.kubectl("get", *args, "-o", "json"))
 
 
-def condition(obj: dict[str, Any], kind: str) -> str | None:
-    for c in obj.get("status", {}).get("conditions", []):
-        if c["type"] == kind:
-            return c["status"]
-    return None
-
-
 def crd_established(cp: ControlPlane, name: str = "kvcachepools.kvpool.dev") -> bool:
     result = cp.kubectl_result("get", "crd", name, "-o", "json")
     return result.returncode == 0 and condition(json.loads(result.stdout), "Established") == "True"
@@ -299,14 +285,6 @@ def crd_established(cp: ControlPlane, name: str = "kvcachepools.kvpool.dev") -> 
 
 def kubectl_binary() -> Path:
     return REPO / ".tools" / "bin" / "kubectl"
-
-
-def port_open(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def have_binaries() -> bool:
