@@ -34,7 +34,7 @@ def scrape(url: str) -> dict[str, tuple[str, float]]:
         elif line and not line.startswith("#"):
             name, value = line.split(" ")
             assert name not in out, f"{name} twice"
-            out[name] = (types[name], float(value))
+            out[name] = (types[name.split("{")[0]], float(value))
     return out
 
 
@@ -52,6 +52,9 @@ def declared(path: tuple[str, ...]) -> tuple[str, str]:
     if path[:2] == ("tiers", "redis"):
         stat = next(s for s in metrics.REDIS_STATS if s.key == path[2])
         return stat.metric(metrics.REDIS_PREFIX), stat.kind
+    if path[0] == "miss_ratio":
+        stat = next(s for s in metrics.MISS_RATIO_STATS if s.key == path[1])
+        return stat.metric(metrics.MISS_RATIO_PREFIX), stat.kind
     if path[:2] == ("tiers", "cpu"):  # the top level's numbers of the same names
         path = path[2:]
     (name,) = path
@@ -82,8 +85,16 @@ def check_every_number(url: str) -> dict[str, tuple[str, float]]:
         assert scraped[name] == (kind, value), ".".join(path)
         assert name.endswith("_total") == (kind == "counter"), name
     assert scraped["kvpool_ready"][0] == "gauge"
+    # the miss-ratio curve's points: one labelled gauge each
+    curve = {
+        f'kvpool_miss_ratio_hit_rate{{scale="{p["scale"]:g}",capacity_bytes="{p["capacity_bytes"]}"}}': p
+        for p in stats["miss_ratio"]["curve"]
+    }
+    assert len(curve) == 5
+    for name, point in curve.items():
+        assert scraped[name] == ("gauge", point["hit_rate"]), name
     # nothing on /metrics that /stats does not have (but the sidecar's own readiness)
-    from_stats = {declared(path)[0] for path, _ in numbers(stats)}
+    from_stats = {declared(path)[0] for path, _ in numbers(stats)} | set(curve)
     assert set(scraped) - from_stats == {"kvpool_ready"}
     return scraped
 

@@ -74,6 +74,17 @@ REDIS_STATS = (
 )
 REDIS_TEXT_KEYS = ("reason",)
 
+MISS_RATIO_PREFIX = "kvpool_miss_ratio_"
+# /stats' miss_ratio (MissRatioCurve.snapshot); its "curve", a list of points, is one labelled family
+MISS_RATIO_STATS = (
+    gauge("ceiling_hit_rate", "Estimated hit rate of an unbounded CPU tier: chunks saved before"),
+    gauge("sampling_rate", "Share of chunk keys the miss-ratio curve follows (SHARDS sampling)"),
+    counter("sampled_lookups", "Chunk lookups the miss-ratio curve followed"),
+)
+CURVE = Stat(
+    "hit_rate", "gauge", "Estimated CPU-tier hit rate at `scale` times its capacity (`capacity_bytes`)"
+)
+
 
 def fields(stats: tuple[Stat, ...], values: Mapping[str, Any], text: tuple[str, ...] = ()) -> dict[str, Any]:
     """The /stats fields of `stats` (and the `text` ones), in declaration order, from `values`, which
@@ -100,4 +111,11 @@ def render(stats: dict, ready: bool) -> str:
     lines = _render(STATS, PREFIX, stats)
     lines += _lines(f"{PREFIX}ready", "gauge", "1 when every tier is usable", 1 if ready else 0)
     lines += _render(REDIS_STATS, REDIS_PREFIX, stats.get("tiers", {}).get("redis") or {})
+    if curve := stats.get("miss_ratio"):
+        lines += _render(MISS_RATIO_STATS, MISS_RATIO_PREFIX, curve)
+        name = CURVE.metric(MISS_RATIO_PREFIX)
+        lines += [f"# HELP {name} {CURVE.help}", f"# TYPE {name} {CURVE.kind}"]
+        for p in curve["curve"]:
+            labels = f'scale="{p["scale"]:g}",capacity_bytes="{p["capacity_bytes"]}"'
+            lines.append(f"{name}{{{labels}}} {float(p['hit_rate'])!r}")
     return "\n".join(lines) + "\n"

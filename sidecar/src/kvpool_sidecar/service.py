@@ -90,4 +90,10 @@ class Sidecar:
             tiers["redis"] = self.redis.stats()
         elif self.redis_refused:
             tiers["redis"] = {"ready": False, "reason": self.redis_refused}
-        return {**top, "arena_fault": self.store.arena_fault, "tiers": tiers, "engines": self.engines.reports}
+        return {
+            **top,
+            "arena_fault": self.store.arena_fault,
+            "tiers": tiers,
+            "engines": self.engines.reports,
+            "miss_ratio": metrics.fields(metrics.MISS_RATIO_STATS, self.store.curve.snapshot(), ("curve",)),
+        }

@@ -19,6 +19,7 @@ from enum import Enum
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.batching import LOCKED_SLICE
 from kvpool_sidecar.chunk_index import ChunkIndex, Counters, Entry
+from kvpool_sidecar.miss_ratio import MissRatioCurve
 from kvpool_sidecar.promotion import LowerTier, Promotions
 from kvpool_sidecar.wire import ARENA_HEADER, Slot, checksum
 
@@ -55,6 +56,7 @@ class Store:
         self._lock = threading.RLock()
         self._promotions = Promotions(self.index, arena, self._lock, lease_seconds)
         self.arena_fault: str | None = None  # the last header found changed behind the sidecar
+        self.curve = MissRatioCurve(arena.capacity)  # the hit rate at other capacities (sizing)
 
     def _check_arena(self) -> None:
         """Before serving, under the lock: a header this sidecar did not write (a rogue writer, memory
@@ -120,6 +122,7 @@ class Store:
         its source; False (counted) where the slot is no longer that writer's reservation."""
         with self._lock:
             committed = [self.index.commit(slot, digest) for slot, digest in items]
+        self.curve.committed((e.key, e.length) for e in committed if e is not None)
         if self.lower is not None:
             for e in committed:
                 if e is not None:
@@ -250,6 +253,7 @@ class Store:
 
     def lookup(self, keys: Sequence[str]) -> int:
         n = self.cpu_prefix(keys, touch=True)
+        self.curve.looked_up(keys)
         lower = self.lower
         if n < len(keys) and lower is not None and lower.usable():
             for found in lower.exists_many(keys[n:]):
