@@ -223,6 +223,9 @@ def test_pool_status_counts_pods_and_reads_their_real_sidecars(operator: tuple, 
         assert status["matchedPods"] == 2 and status["readyPods"] == 2 and status["outdatedPods"] == 0
         assert status["stats"]["capacityBytes"] == 2 * 64 * 2**20
         assert status["stats"]["hitRate"] > 0
+        # sizing from data: the API server kept the curve (the CRD's schema declares it)
+        assert list(status["stats"]["hitRateAt"]) == ["0.25x", "0.5x", "1x", "2x", "4x"]
+        assert 0 < status["stats"]["hitRateCeiling"] <= 1
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "True" and ready["observedGeneration"] == pool["metadata"]["generation"]
         assert status["observedGeneration"] == pool["metadata"]["generation"]
@@ -244,6 +247,10 @@ def _put_and_get(proc: Proc, key: str) -> None:
     urllib.request.urlopen(request, timeout=5).close()
     with urllib.request.urlopen(f"{url}/v1/chunks/{key}", timeout=5) as r:
         assert r.read() == b"x" * 4096
+    lookup = json.dumps({"keys": [key]}).encode()  # a lookup, as the connector's: the curve follows these
+    headers = {"Content-Type": "application/json"}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/v1/lookup", lookup, headers), timeout=5) as r:
+        assert json.load(r)["hits"] == 1
 
 
 def test_a_changed_pool_marks_running_pods_outdated_with_an_event(operator: tuple) -> None:

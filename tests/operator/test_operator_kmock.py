@@ -179,6 +179,9 @@ def test_status_stats_come_from_the_ready_sidecars(
     assert stats["storedBytes"] == expected["stored_bytes"] >= 2 * 4096
     assert stats["hits"] == expected["hits"] and stats["misses"] == expected["misses"]
     assert stats["hitRate"] == round(expected["hits"] / (expected["hits"] + expected["misses"]), 4) > 0
+    curve = expected["miss_ratio"]  # the sidecar's own sizing estimate, as the pool's
+    assert stats["hitRateAt"] == {f"{p['scale']:g}x": round(p["hit_rate"], 4) for p in curve["curve"]}
+    assert stats["hitRateCeiling"] == round(curve["ceiling_hit_rate"], 4)
     client.close()
 
 

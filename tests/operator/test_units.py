@@ -11,13 +11,14 @@ from kvtest import free_port
 
 from kvpool_operator import conditions, pool_health, readiness
 from kvpool_operator.injection import arena_size_limit
-from kvpool_operator.pods import PodCounts
+from kvpool_operator.pods import PodCounts, aggregate, miss_ratio_curve
 from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
 from kvpool_operator.scaling import demand_bytes, desired_shards
 from kvpool_operator.selector import matches, to_query
 from kvpool_operator.shards import drained, shards_to_publish
 from kvpool_operator.vllm_target import strip_ours
+from kvpool_sidecar.miss_ratio import SCALES
 
 
 @pytest.mark.parametrize(
@@ -200,3 +201,19 @@ async def test_the_probes_answer_on_ipv4_and_ipv6_alike() -> None:
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+def test_the_pools_miss_ratio_curve_weighs_each_sidecar_by_its_lookups() -> None:
+    def sidecar(hits: int, misses: int, rates: list[float], ceiling: float) -> dict:
+        curve = [{"scale": s, "capacity_bytes": 1, "hit_rate": r} for s, r in zip(SCALES, rates, strict=True)]
+        return {"hits": hits, "misses": misses, "miss_ratio": {"curve": curve, "ceiling_hit_rate": ceiling}}
+
+    busy = sidecar(300, 100, [0.1, 0.2, 0.3, 0.4, 0.5], 0.9)
+    quiet = sidecar(50, 50, [0.5, 0.5, 0.5, 0.5, 0.5], 0.5)
+    older = {"hits": 1000, "misses": 0}  # an image without the curve: left out, not a zero
+    malformed = {"hits": 1, "misses": 1, "miss_ratio": {"curve": [{"scale": "x"}]}}
+    assert miss_ratio_curve([busy, quiet, older, malformed]) == {
+        "hitRateAt": {"0.25x": 0.18, "0.5x": 0.26, "1x": 0.34, "2x": 0.42, "4x": 0.5},
+        "hitRateCeiling": 0.82,
+    }
+    assert miss_ratio_curve([older]) == {} and "hitRateAt" not in aggregate([older])

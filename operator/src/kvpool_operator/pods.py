@@ -159,4 +159,30 @@ def aggregate(stats: list[dict[str, Any]]) -> dict[str, Any]:
         "storedBytes": total("stored_bytes"),
         "capacityBytes": total("capacity_bytes"),
         "evictions": total("evictions"),
+        **miss_ratio_curve(stats),
+    }
+
+
+def miss_ratio_curve(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """status.stats' hitRateAt ("0.25x" .. "4x": the pool's hit rate were every sidecar that multiple of
+    its capacity) and hitRateCeiling (an unbounded tier): each sidecar's online estimate (its /stats
+    miss_ratio), weighted by its lookups. Sidecars without one (older images) or with a malformed one
+    are left out; none at all: nothing said."""
+    curves: list[tuple[dict[str, float], float, int]] = []
+    for s in stats:
+        try:
+            m = s["miss_ratio"]
+            at = {f"{float(p['scale']):g}x": float(p["hit_rate"]) for p in m["curve"]}
+            curves.append(
+                (at, float(m["ceiling_hit_rate"]), int(s.get("hits") or 0) + int(s.get("misses") or 0))
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+    weight = sum(w for _, _, w in curves)
+    if not weight:
+        return {}
+    scales = sorted({k for at, _, _ in curves for k in at}, key=lambda k: float(k[:-1]))
+    return {
+        "hitRateAt": {k: round(sum(at.get(k, 0.0) * w for at, _, w in curves) / weight, 4) for k in scales},
+        "hitRateCeiling": round(sum(c * w for _, c, w in curves) / weight, 4),
     }
