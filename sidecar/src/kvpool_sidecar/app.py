@@ -56,6 +56,6 @@ def create_app(sidecar: Sidecar) -> FastAPI:
     app = _app("kvpool sidecar", sidecar)
     app.add_middleware(BoundedJsonBodies)
     app.state.uploads = Uploads(sidecar.store, sidecar.settings.max_chunk_bytes)
-    for router in (chunks.router, engines.router, arena.router, arena.ops):
+    for router in (chunks.router, engines.router, arena.router):
         app.include_router(router)
     return app

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 
+from kvpool_sidecar import control
 from kvpool_sidecar import schemas as s
 from kvpool_sidecar.api.control_ops import run
 from kvpool_sidecar.api.deps import ERRORS, WRITES, SidecarDep
 
 router = APIRouter(prefix="/v1/arena", tags=["arena"])
-# the same operations the control socket serves (control.py); HTTP is the fallback without the socket
-ops = APIRouter(prefix="/v1/arena", tags=["arena"], responses=ERRORS, dependencies=WRITES)
+# What each control operation answers: the same operations the control socket serves (control.OPS),
+# HTTP being the fallback for a client without the socket.
+ANSWERS: dict[str, Any] = {
+    "reserve": s.ReserveResponse,
+    "commit": s.CommitResponse,
+    "abort": dict,
+    "pin": s.PinResponse,
+    "verify": s.VerifyResponse,
+    "release": s.ReleaseResponse,
+}
 
 
 @router.get("")
@@ -23,31 +34,22 @@ async def arena_info(sidecar: SidecarDep) -> s.ArenaInfo:
     )
 
 
-@ops.post("/reserve")
-async def reserve(sidecar: SidecarDep, req: s.ReserveRequest) -> s.ReserveResponse:
-    return await run(sidecar, "reserve", req)
+def _operation(op: str) -> Any:
+    async def operation(sidecar: SidecarDep, req: Any) -> Any:
+        return await run(sidecar, op, req)
+
+    # the body's model, read by FastAPI from the signature: each operation's own request schema
+    operation.__annotations__ = {**operation.__annotations__, "req": control.OPS[op].request}
+    return operation
 
 
-@ops.post("/commit")
-async def commit(sidecar: SidecarDep, req: s.CommitRequest) -> s.CommitResponse:
-    return await run(sidecar, "commit", req)
-
-
-@ops.post("/abort")
-async def abort(sidecar: SidecarDep, req: s.AbortRequest) -> dict:
-    return await run(sidecar, "abort", req)
-
-
-@ops.post("/pin")
-async def pin(sidecar: SidecarDep, req: s.PinRequest) -> s.PinResponse:
-    return await run(sidecar, "pin", req)
-
-
-@ops.post("/verify")
-async def verify(sidecar: SidecarDep, req: s.VerifyRequest) -> s.VerifyResponse:
-    return await run(sidecar, "verify", req)
-
-
-@ops.post("/release")
-async def release(sidecar: SidecarDep, req: s.ReleaseRequest) -> s.ReleaseResponse:
-    return await run(sidecar, "release", req)
+for _op, _answer in ANSWERS.items():
+    router.add_api_route(
+        f"/{_op}",
+        _operation(_op),
+        methods=["POST"],
+        name=_op,
+        response_model=_answer,
+        responses=ERRORS,
+        dependencies=WRITES,
+    )
