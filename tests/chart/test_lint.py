@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from chartkit import CHART, EXAMPLE_VALUES, run_helm
+from chartkit import CHART, EXAMPLE_VALUES, kube_version, run_helm
 
 
 def test_there_are_example_values() -> None:
@@ -15,7 +15,8 @@ def test_there_are_example_values() -> None:
 
 @pytest.mark.parametrize("values_file", [None, *EXAMPLE_VALUES], ids=lambda p: p.name if p else "defaults")
 def test_lint_strict(helm: Path, values_file: Path | None) -> None:
-    args = ["lint", "--strict", str(CHART)] + (["--values", str(values_file)] if values_file else [])
+    args = ["lint", "--strict", str(CHART), *kube_version(values_file)]
+    args += ["--values", str(values_file)] if values_file else []
     result = run_helm(*args)
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -265,13 +265,45 @@ def test_the_webhook_is_opt_in_and_never_sees_system_namespaces(
     assert [e["operator"] for e in hook["namespaceSelector"]["matchExpressions"]] == ["NotIn"]
 
 
-def test_kubernetes_1_28_needs_the_legacy_sidecar() -> None:
+def test_kubernetes_1_28_needs_the_legacy_sidecar_and_1_29_refuses_it() -> None:
     """1.28 has native sidecars off by default: an injected init container with restartPolicy Always
-    would be refused there (or never start), so the chart refuses the install and says what to set."""
+    would be refused there (or never start), so the chart refuses the install and says what to set.
+    From 1.29 the plain-container sidecar only loses (no start order; a Job's pod never completes)."""
     refused = run_helm(*template_args(), "--kube-version", "1.28.9")
     assert refused.returncode != 0 and "legacySidecar=true" in refused.stderr
     assert run_helm(*template_args(None, "legacySidecar=true"), "--kube-version", "1.28.9").returncode == 0
     assert run_helm(*template_args(), "--kube-version", "1.29.0").returncode == 0
+    refused = run_helm(*template_args(None, "legacySidecar=true"), "--kube-version", "1.29.0")
+    assert refused.returncode != 0 and "leave legacySidecar off" in refused.stderr
+
+
+def test_operator_replicas_prefer_different_nodes(rendered: Callable) -> None:
+    """Soft: a node lost never takes every webhook replica where the scheduler could spread them, and
+    a one-node cluster still runs them all. A user's affinity replaces it; one replica needs none."""
+    deployment = _operator(rendered(None))
+    (term,) = deployment["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+    assert selector == find(rendered(None), "Deployment")["spec"]["selector"]["matchLabels"]
+    assert "affinity" not in _operator(rendered(None, "replicaCount=1"))["spec"]
+    mine = _operator(rendered(None, "affinity.nodeAffinity.x=y"))["spec"]["affinity"]
+    assert mine == {"nodeAffinity": {"x": "y"}}
+
+
+def test_a_pod_monitor_only_where_the_cluster_has_the_kind_and_the_notes_say_so() -> None:
+    values = CHART / "ci" / "monitoring-values.yaml"
+    plain = ["template", "kvp", str(CHART), "--namespace", NAMESPACE, "--values", str(values)]
+    without = run_helm(*plain)
+    assert without.returncode == 0 and "kind: PodMonitor" not in without.stdout
+    assert (
+        "kind: PodMonitor" in run_helm(*plain, "--api-versions", "monitoring.coreos.com/v1/PodMonitor").stdout
+    )
+    notes = run_helm(
+        "install", "kvp", str(CHART), "--dry-run=client", "--namespace", NAMESPACE, "--values", str(values)
+    )
+    assert notes.returncode == 0 and "none was made, so nothing scrapes the sidecars" in notes.stdout
 
 
 def test_with_cert_manager_every_render_is_the_same_and_the_ca_is_injected() -> None:
