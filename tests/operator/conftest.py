@@ -10,6 +10,7 @@ from kubeharness.objects import CRD_PATH, port_open
 from kvtest import free_port, wait_until
 
 SCALE_COOLDOWN = 3600  # tests move status.sharedTier.lastScaleTime back instead of waiting out a cooldown
+DRAIN_TIMEOUT = 3  # seconds a shrink waits on sidecars that never confirm (the default is 10 minutes)
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,8 @@ def cluster(crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> It
         "0.5",
         "--scale-cooldown",
         str(SCALE_COOLDOWN),
+        "--drain-timeout",
+        str(DRAIN_TIMEOUT),
         "--sidecar-image",
         "kvpool/sidecar:test",
         "--liveness",

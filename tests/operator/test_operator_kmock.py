@@ -302,8 +302,9 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_within_bounds_with_a_c
     cluster: Cluster,
 ) -> None:
     """Demand is the ready pods' arenas together (64 MiB each here; a 128Mi shard holds 89.6 MiB): two
-    pods, two shards; five, the maximum of three; none, down one shard per cooldown to the minimum,
-    each unpublished before it stops. (Real sidecars, whose drain holds a shrink: tests/k8s.)"""
+    pods, two shards; five, the maximum of three at once (the cooldown holds shrinks only); none,
+    down one shard per cooldown to the minimum, each unpublished before it stops. (Real sidecars,
+    whose drain holds a shrink: tests/k8s.)"""
     ns = "scale"
     create_pool(
         cluster,
@@ -352,7 +353,8 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_within_bounds_with_a_c
 
     for i in range(2, 5):
         run_pod(cluster, ns, f"vllm-{i}", {"app": "vllm"}, ready=True)
-    wait_until(scaled_to(3), 30, "scale up to the maximum")  # 320 MiB needs four, capped at three
+    # up at once, though the last change (to two shards) was a moment ago and the cooldown is an hour
+    wait_until(lambda: scale_state(cluster, ns)[0] == 3, 30, "scale up to the maximum")  # 320 MiB: 4, max 3
     shards_ready(cluster, ns, 3)
     wait_until(lambda: scale_state(cluster, ns) == (3, 3), 30, "three shards published")
     seen = refreshes(cluster)  # in the cooldown, and at the maximum: no change
@@ -378,6 +380,56 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_within_bounds_with_a_c
     seen = refreshes(cluster)
     wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
     assert scale_state(cluster, ns) == (1, 1)  # never below the minimum
+
+
+def test_a_shrink_whose_sidecars_never_confirm_gives_up_after_the_drain_timeout(cluster: Cluster) -> None:
+    """A ready pod whose sidecar does not answer (nothing listens on its status port here) can never
+    confirm it stopped using a shard that goes. The shrink unpublishes the shard, waits the drain
+    timeout (3 s here, 10 minutes by default), then stops it anyway: a Warning event, and the pool
+    Degraded with reason DrainGaveUp naming why. Before, the tier stayed at its size for ever."""
+    ns = "drain"
+    create_pool(
+        cluster,
+        ns,
+        "tier",
+        {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "capacity": "64Mi",
+            "backend": "redis",
+            "redis": {"mode": "shared", "replicas": 1, "memory": "128Mi"},
+            "scaling": {"minReplicas": 1, "maxReplicas": 2, "capacityPercent": 100},
+        },
+    )
+    wait_until(
+        lambda: cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis")), 30, "the StatefulSet"
+    )
+    for i in range(2):
+        run_pod(cluster, ns, f"vllm-{i}", {"app": "vllm"}, ready=True)
+
+    def two_shards_published() -> bool:
+        shards_ready(cluster, ns, 2 if scale_state(cluster, ns)[0] == 2 else 1)
+        return scale_state(cluster, ns) == (2, 2)
+
+    wait_until(two_shards_published, 60, "two shards, both published")
+    cluster.api.delete(core_path(ns, "pods", "vllm-1"))  # demand for one shard
+    end_cooldown(cluster, ns)
+    draining = wait_status(
+        cluster, ns, "tier", lambda s: (s.get("sharedTier") or {}).get("draining"), "the shrink to drain"
+    )["sharedTier"]
+    assert draining["drainingSince"] and scale_state(cluster, ns) == (2, 1)  # unpublished, still running
+    wait_until(lambda: scale_state(cluster, ns) == (1, 1), 30, "the shrink to give up waiting")
+    status = wait_status(
+        cluster, ns, "tier", lambda s: (s.get("sharedTier") or {}).get("drainGaveUp"), "drainGaveUp"
+    )
+    assert "1 of 1 sidecar(s) did not answer" in status["sharedTier"]["drainGaveUp"]
+    said = "shared Redis tier: stopped 1 shard(s) after"  # Degraded lists it (its first reason is
+    # SidecarsNotAnswering: that pod's sidecar also keeps the pool from Ready)
+    degraded = wait_status(
+        cluster, ns, "tier", lambda s: said in condition(s, "Degraded").get("message", ""), "Degraded"
+    )
+    assert condition(degraded, "Degraded")["status"] == "True"
+    warnings = [e for e in cluster.api.events(ns, "tier") if e["reason"] == "DrainGaveUp"]
+    assert warnings and warnings[0]["type"] == "Warning"
 
 
 def test_external_redis_is_configured_without_reading_its_secret(cluster: Cluster) -> None:

@@ -16,7 +16,7 @@ from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
 from kvpool_operator.scaling import demand_bytes, desired_shards
 from kvpool_operator.selector import matches, to_query
-from kvpool_operator.shards import drained, shards_to_publish
+from kvpool_operator.shards import shards_to_publish, undrained
 from kvpool_operator.vllm_target import strip_ours
 from kvpool_sidecar.miss_ratio import SCALES
 
@@ -104,8 +104,9 @@ GB = 10**9  # a shard holds 1 GB here
         (4, 0, None, 3),  # no pods: down, one at a time
         (2, 0, None, 2),  # ... never below min
         (4, 40 * GB, None, 6),  # never above max
-        (2, 4 * GB, 10.0, 2),  # in the cooldown: no change
-        (2, 4 * GB, 400.0, 4),  # cooldown over
+        (2, 4 * GB, 10.0, 4),  # up at once, even within the cooldown of the last change
+        (4, 0, 10.0, 4),  # down waits out the cooldown
+        (4, 0, 400.0, 3),  # cooldown over
         (1, 0, 10.0, 2),  # below min (bounds changed): corrected even in the cooldown
         (9, 0, 10.0, 6),  # above max: corrected even in the cooldown
     ],
@@ -127,11 +128,11 @@ def test_a_shard_stops_only_once_every_sidecar_has_stopped_using_it() -> None:
     def using(n: int | None) -> dict:
         return {"tiers": {"redis": {"shards": n}}} if n is not None else {}
 
-    assert drained([using(2), using(2)], expected=2, shards=2)
-    assert not drained([using(2), using(3)], expected=2, shards=2)  # one still reads the old list
-    assert not drained([using(2)], expected=2, shards=2)  # one did not answer: unknown
-    assert not drained([using(2), using(None)], expected=2, shards=2)  # one has no Redis tier configured
-    assert drained([], expected=0, shards=1)  # no pods: nothing uses any shard
+    assert undrained([using(2), using(2)], expected=2, shards=2) == ""
+    assert undrained([using(2), using(3)], expected=2, shards=2) == "1 still use(s) more than 2 shard(s)"
+    assert undrained([using(2)], expected=2, shards=2) == "1 of 2 sidecar(s) did not answer"  # unknown
+    assert undrained([using(2), using(None)], expected=2, shards=2)  # one has no Redis tier configured
+    assert undrained([], expected=0, shards=1) == ""  # no pods: nothing uses any shard
 
 
 @pytest.mark.parametrize(

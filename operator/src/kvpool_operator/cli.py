@@ -83,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stats-interval", type=float, default=str(_env("stats-interval", 30)))
     p.add_argument("--scale-cooldown", type=float, default=str(_env("scale-cooldown", 300)))
+    p.add_argument("--drain-timeout", type=float, default=str(_env("drain-timeout", 600)))
     p.add_argument("--sidecar-image", default=_env("sidecar-image", DEFAULT_SIDECAR_IMAGE))
     p.add_argument(
         "--legacy-sidecar",
@@ -139,6 +140,7 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
     ours = OperatorSettings(
         stats_interval=args.stats_interval,
         scale_cooldown=args.scale_cooldown,
+        drain_timeout=args.drain_timeout,
         sidecar_image=args.sidecar_image,
         legacy_sidecar=args.legacy_sidecar,
         namespaces=tuple(namespaces),

@@ -44,6 +44,8 @@ REDIS_URLS_KEY = "redis-urls"  # ConfigMap key: one shard URL a line (the sideca
 PASSWORD_KEY = "password"
 POOL_KEY_KEY = "pool-key"  # the Secret key of the pool's chunk-authentication secret
 LAST_SCALE_ANNOTATION = "kvpool.dev/last-scale-time"  # on the shared tier's StatefulSet
+DRAIN_SINCE_ANNOTATION = "kvpool.dev/drain-since"  # when its shrink began waiting on the sidecars
+DRAIN_GAVE_UP_ANNOTATION = "kvpool.dev/drain-gave-up"  # why its last shrink stopped shards undrained
 REDIS_PORT = 6379
 # The shard user the operator reads INFO memory as: no password, no access to data, so the operator
 # never reads the shards' password Secret (it may create Secrets, never read them).

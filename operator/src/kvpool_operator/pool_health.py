@@ -39,6 +39,7 @@ class Seen:
     counts: PodCounts
     sidecars: Sequence[Mapping[str, Any] | None]  # /stats of each injected Ready pod; None: no answer
     tier: tuple[int, int] | None = None  # the shared tier's (desired, ready) shards
+    drain_gave_up: str | None = None  # why the tier's last shrink stopped shards undrained
     sidecar_breaker: Mapping[str, Any] | None = None  # status.sidecarNotStarting
     vllm_breaker: Mapping[str, Any] | None = None  # status.vllmFailing
 
@@ -110,6 +111,11 @@ def _problems(seen: Seen) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]
             blocking.append(("SharedTierStarting", f"shared Redis tier starting: 0/{desired} shards ready"))
         elif ready < desired:
             degrading.append(("ShardsNotReady", f"shared Redis tier: {ready}/{desired} shards ready"))
+    if seen.drain_gave_up:
+        degrading.append((
+            "DrainGaveUp",
+            f"shared Redis tier: {seen.drain_gave_up} (their reads of those shards became misses)",
+        ))  # fmt: skip
     if counts.matched and not counts.ready and not counts.skipped and not counts.unseen:
         blocking.append(("PodsNotReady", f"none of the {counts.matched} matched pod(s) is Ready yet"))
     silent = sum(1 for s in seen.sidecars if s is None)

@@ -65,6 +65,7 @@ async def refresh(
         counts=counts,
         sidecars=each,
         tier=tier,
+        drain_gave_up=(shared or {}).get("drainGaveUp"),
         sidecar_breaker=breaker,
         vllm_breaker=failing,
     )

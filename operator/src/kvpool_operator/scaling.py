@@ -45,16 +45,18 @@ def desired_shards(
     cooldown: float,
 ) -> int:
     """The shard count for `demand` bytes in shards of `shard_bytes`, within bounds. Up at once to what
-    the demand needs; down one shard at a time, once the demand fits the smaller tier with a band to
-    spare; either way one change a cooldown. A count outside the bounds is corrected at once."""
+    the demand needs, whenever it needs it (a tier too small turns hits into misses now); down one
+    shard at a time, once the demand fits the smaller tier with a band to spare and a cooldown has
+    passed since the last change (a shrink moves keys, and demand that dips often comes back). A
+    count outside the bounds is corrected at once."""
     bounded = clamp(current, scaling)
     if bounded != current:
         return bounded
-    if since_last_change is not None and since_last_change < cooldown:
-        return current
     needed = clamp(math.ceil(demand / shard_bytes), scaling)
     if needed > current:
         return needed
+    if since_last_change is not None and since_last_change < cooldown:
+        return current
     if clamp(math.ceil(demand / (shard_bytes * SHRINK_BAND)), scaling) < current:
         return current - 1
     return current

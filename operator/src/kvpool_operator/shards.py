@@ -35,11 +35,16 @@ def shards_to_publish(published: int | None, desired: int, ready: int) -> int:
     return published
 
 
-def drained(stats: list[dict[str, Any]], expected: int, shards: int) -> bool:
-    """Whether all `expected` sidecars answered and each uses at most `shards` shards (they re-read the
-    shard list from a ConfigMap file the kubelet refreshes a minute or more after it changes)."""
+def undrained(stats: list[dict[str, Any]], expected: int, shards: int) -> str:
+    """Why the sidecars are not all known to use at most `shards` shards ("" when they are): all
+    `expected` must answer (they re-read the shard list from a ConfigMap file the kubelet refreshes a
+    minute or more after it changes)."""
     using = [((s.get("tiers") or {}).get("redis") or {}).get("shards") for s in stats]
-    return len(using) >= expected and all(isinstance(n, int) and n <= shards for n in using)
+    silent = max(0, expected - len(using))
+    behind = sum(1 for n in using if not (isinstance(n, int) and n <= shards))
+    why = [f"{silent} of {expected} sidecar(s) did not answer"] if silent else []
+    why += [f"{behind} still use(s) more than {shards} shard(s)"] if behind else []
+    return "; ".join(why)
 
 
 async def publish(kube: Kube, pool: Pool, count: int) -> None:
@@ -109,8 +114,11 @@ async def scale(
         return {"replicas": 0, "readyReplicas": 0}
     running = int(sts.get("spec", {}).get("replicas") or 0)
     ready = int((sts.get("status") or {}).get("readyReplicas") or 0)
-    last = (sts["metadata"].get("annotations") or {}).get(names.LAST_SCALE_ANNOTATION)
+    annotations = sts["metadata"].get("annotations") or {}
+    last = annotations.get(names.LAST_SCALE_ANNOTATION)
     result: dict[str, Any] = {"lastScaleTime": last} if last else {}
+    if gave_up := annotations.get(names.DRAIN_GAVE_UP_ANNOTATION):
+        result["drainGaveUp"] = gave_up
 
     desired = pool.redis.replicas
     why = ""
@@ -126,19 +134,41 @@ async def scale(
         why = f" ({counts.ready} pods x {pool.capacity} x {percent}%, {shard} bytes a shard)"
 
     published = await _published(kube, pool)
+    gave_up = None
+    if desired >= running and names.DRAIN_SINCE_ANNOTATION in annotations:  # the shrink is off
+        await kube.patch("StatefulSet", ns, name, {"metadata": {"annotations": {
+            names.DRAIN_SINCE_ANNOTATION: None}}})  # fmt: skip
     if desired < running:
         published = await _unpublish(kube, pool, published, desired)
-        if not drained(sidecars, expected, desired):
-            result.update(replicas=running, readyReplicas=ready, publishedShards=published, draining=True)
-            return result
+        if pending := undrained(sidecars, expected, desired):
+            since = annotations.get(names.DRAIN_SINCE_ANNOTATION)
+            if since is None:
+                await kube.patch("StatefulSet", ns, name, {"metadata": {"annotations": {
+                    names.DRAIN_SINCE_ANNOTATION: _stamp(now)}}})  # fmt: skip
+            waited = (now - datetime.datetime.fromisoformat(since)).total_seconds() if since else 0.0
+            if waited < settings.drain_timeout:
+                result.update(replicas=running, readyReplicas=ready, publishedShards=published, draining=True)
+                result["drainingSince"] = since or _stamp(now)
+                return result
+            # Bounded: a sidecar that never answers must not hold the tier at its size for ever. Its
+            # reads of the stopped shards fail and become misses; the pool's status says so.
+            gave_up = f"stopped {running - desired} shard(s) after {waited:.0f} s of draining: {pending}"
+            await events.post(kube, pool, "Warning", "DrainGaveUp", gave_up)
     if desired != running:
-        stamp = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = _stamp(now)
         change = {
-            "metadata": {"annotations": {names.LAST_SCALE_ANNOTATION: stamp}},
+            "metadata": {"annotations": {
+                names.LAST_SCALE_ANNOTATION: stamp,
+                names.DRAIN_SINCE_ANNOTATION: None,  # the next shrink waits afresh
+                names.DRAIN_GAVE_UP_ANNOTATION: gave_up,  # said until the next change
+            }},
             "spec": {"replicas": desired},
-        }
+        }  # fmt: skip
         await kube.patch("StatefulSet", ns, name, change)
         result["lastScaleTime"] = stamp
+        result.pop("drainGaveUp", None)
+        if gave_up:
+            result["drainGaveUp"] = gave_up
         await events.post(
             kube, pool, "Normal", "Scaled", f"shared Redis tier {running} -> {desired} shards{why}"
         )
@@ -147,6 +177,10 @@ async def scale(
         await publish(kube, pool, count)
     result.update(replicas=desired, readyReplicas=ready, publishedShards=count)
     return result
+
+
+def _stamp(now: datetime.datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 async def _ready_shard_pods(kube: Kube, pool: Pool) -> list[dict[str, Any]]:
