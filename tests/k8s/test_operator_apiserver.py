@@ -814,7 +814,8 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_and_drains_before_a_sh
     ns = namespace(cp, "shared-tier")
     tier = "cache-kvpool-redis"
     redis = {"mode": "shared", "replicas": 1, "memory": "32Mi"}
-    scaling = {"minReplicas": 1, "maxReplicas": 2, "capacityPercent": 100}
+    # sized by the arenas: these idle sidecars share nothing, which would keep the tier at one shard
+    scaling = {"minReplicas": 1, "maxReplicas": 2, "capacityPercent": 100, "sizeBy": "arenas"}
     apply(cp, cpu_pool(ns, "cache", capacity="16Mi", backend="redis", redis=redis, scaling=scaling))
     wait_until(
         lambda: cp.kubectl_result("-n", ns, "get", "statefulset", tier).returncode == 0, 60, "the StatefulSet"

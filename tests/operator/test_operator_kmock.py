@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -430,6 +431,50 @@ def test_a_shrink_whose_sidecars_never_confirm_gives_up_after_the_drain_timeout(
     assert condition(degraded, "Degraded")["status"] == "True"
     warnings = [e for e in cluster.api.events(ns, "tier") if e["reason"] == "DrainGaveUp"]
     assert warnings and warnings[0]["type"] == "Warning"
+
+
+def test_the_shared_tier_is_sized_by_what_the_pods_share_not_by_their_arenas(
+    cluster: Cluster, sidecar_factory: Callable[..., Any]
+) -> None:
+    """Two pods with 1 GiB arenas would ask 2 GiB of the tier (four shards of 128Mi, the maximum here).
+    Their sidecar (both pods' status port reach one real sidecar here) asked for 40 distinct chunks of
+    4 KiB lately: the tier stays at one shard, and says what it sized to."""
+    port = next(p for p in iter(free_port, None) if p < 65000 and _free(p + 1))
+    sidecar = sidecar_factory("64Mi", (), "--status-port", str(port + 1), port=port)
+    client = SidecarClient(sidecar.info["url"])
+    keys = [f"{i:032x}" for i in range(40)]
+    for key in keys:
+        assert client.put(key, b"x" * 4096)
+    assert client.lookup(keys) == 40
+    ns = "sharing"
+    create_pool(
+        cluster,
+        ns,
+        "tier",
+        {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "capacity": "1Gi",
+            "sidecar": {"port": port},
+            "backend": "redis",
+            "redis": {"mode": "shared", "replicas": 1, "memory": "128Mi"},
+            "scaling": {"minReplicas": 1, "maxReplicas": 4},
+        },
+    )
+    wait_until(
+        lambda: cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis")), 30, "the StatefulSet"
+    )
+    shards_ready(cluster, ns, 1)
+    for i in range(2):
+        run_pod(cluster, ns, f"vllm-{i}", {"app": "vllm"}, ready=True)
+    tier = wait_status(
+        cluster, ns, "tier", lambda s: (s.get("sharedTier") or {}).get("workingSetBytes"), "the working set"
+    )["sharedTier"]
+    assert abs(tier["workingSetBytes"] - 40 * 4096) < 0.05 * 40 * 4096
+    assert tier["demandBytes"] == math.ceil(tier["workingSetBytes"] * 1.25)  # not 2 x 1 GiB
+    seen = refreshes(cluster)
+    wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
+    assert scale_state(cluster, ns) == (1, 1)
+    client.close()
 
 
 def test_external_redis_is_configured_without_reading_its_secret(cluster: Cluster) -> None:

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from kvtest import free_port
 
-from kvpool_operator import conditions, pool_health, readiness
+from kvpool_operator import conditions, pool_health, readiness, working_set
 from kvpool_operator.injection import arena_size_limit
 from kvpool_operator.pods import PodCounts, aggregate, miss_ratio_curve
 from kvpool_operator.pool import ScalingSpec, parse_pool
@@ -218,3 +218,38 @@ def test_the_pools_miss_ratio_curve_weighs_each_sidecar_by_its_lookups() -> None
         "hitRateCeiling": 0.82,
     }
     assert miss_ratio_curve([older]) == {} and "hitRateAt" not in aggregate([older])
+
+
+def test_the_shared_tier_holds_the_union_of_what_the_pods_asked_for() -> None:
+    import hashlib
+
+    from kvpool_sidecar.working_set import WorkingSet, decode
+    from kvpool_sidecar.working_set import estimate as sidecars_estimate
+
+    def key(i: int, tag: str) -> str:
+        return hashlib.sha256(f"{tag}:{i}".encode()).hexdigest()
+
+    def sidecar(own: str) -> dict:  # 1,000 chunks of a shared prompt and 250 of its own, 1 MiB each
+        ws = WorkingSet()
+        ws.looked_up([key(i, "shared") for i in range(1000)] + [key(i, own) for i in range(250)])
+        return {"stored_bytes": 100 * 2**20, "chunks": 100, "working_set": ws.snapshot()}
+
+    pods = [sidecar(f"pod{n}") for n in range(4)]
+    for s in pods:  # one estimate, written in both images
+        sketch = decode(s["working_set"]["sketch"])
+        assert working_set.estimate(sketch) == sidecars_estimate(sketch)
+    shared = working_set.shared_bytes(pods, expected=4)
+    assert shared is not None and abs(shared - 2000 * 2**20) < 0.05 * 2000 * 2**20  # not 5,000 chunks
+    assert working_set.shared_bytes(pods[:3], expected=4) is None  # one did not answer: unknown
+    assert working_set.shared_bytes([*pods[:3], {"chunks": 1}], expected=4) is None  # an older sidecar
+    idle = {"stored_bytes": 0, "chunks": 0, "working_set": WorkingSet().snapshot()}
+    assert working_set.shared_bytes([idle, idle], expected=2) == 0
+
+    spec = {"selector": {"matchLabels": {"a": "b"}}, "capacity": "8Gi", "backend": "redis",
+            "redis": {"mode": "shared"}, "scaling": {"maxReplicas": 64}}  # fmt: skip
+    pool = parse_pool("ns", "p", spec)
+    assert demand_bytes(pool, 300, shared=2000 * 2**20) == 2500 * 2**20  # not 300 x 8 GiB: 2.4 TiB
+    assert demand_bytes(pool, 300, shared=None) == 300 * 8 * 2**30  # no sketch from every pod: arenas
+    assert demand_bytes(pool, 1, shared=2**40) == 8 * 2**30  # never more than the arenas
+    by_arenas = parse_pool("ns", "p", {**spec, "scaling": {"maxReplicas": 64, "sizeBy": "arenas"}})
+    assert demand_bytes(by_arenas, 300, shared=2000 * 2**20) == 300 * 8 * 2**30

@@ -55,6 +55,9 @@ def declared(path: tuple[str, ...]) -> tuple[str, str]:
     if path[0] == "miss_ratio":
         stat = next(s for s in metrics.MISS_RATIO_STATS if s.key == path[1])
         return stat.metric(metrics.MISS_RATIO_PREFIX), stat.kind
+    if path[0] == "working_set":
+        stat = next(s for s in metrics.WORKING_SET_STATS if s.key == path[1])
+        return stat.metric(metrics.WORKING_SET_PREFIX), stat.kind
     if path[:2] == ("tiers", "cpu"):  # the top level's numbers of the same names
         path = path[2:]
     (name,) = path

@@ -38,6 +38,7 @@ class ScalingSpec:
     min_replicas: int
     max_replicas: int
     capacity_percent: int = DEFAULT_CAPACITY_PERCENT
+    size_by: str = "workingSet"  # or "arenas": capacity_percent of the ready pods' arenas alone
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any], uid: str | No
             capacity_percent=_int(
                 s, "capacityPercent", DEFAULT_CAPACITY_PERCENT, "spec.scaling.capacityPercent"
             ),
+            size_by=str(s.get("sizeBy") or "workingSet"),
         )
     sidecar = spec.get("sidecar") or {}
     priority_limit = spec.get("priorityLimit")

@@ -20,6 +20,7 @@ from typing import Any
 from kvpool_operator.names import MONITOR_USER, REDIS_PORT
 from kvpool_operator.pool import Pool, ScalingSpec
 
+WORKING_SET_HEADROOM = 1.25  # the shared working set grows between refreshes; LRU needs slack
 SHRINK_BAND = 0.9  # shrink only when the demand fits the smaller tier with 10% to spare (no flapping)
 
 # (pool, its ready shard pods) -> mean memory utilization in percent, or None (for status only)
@@ -30,10 +31,14 @@ def clamp(n: int, scaling: ScalingSpec) -> int:
     return max(scaling.min_replicas, min(scaling.max_replicas, n))
 
 
-def demand_bytes(pool: Pool, ready_pods: int) -> int:
-    """What the pool's pods ask of the shared tier: their arenas together, times capacityPercent."""
+def demand_bytes(pool: Pool, ready_pods: int, shared: int | None = None) -> int:
+    """What the pool's pods ask of the shared tier: their arenas together, times capacityPercent; with
+    sizeBy workingSet and the `shared` bytes known, what they share with headroom, if less."""
     assert pool.scaling is not None
-    return ready_pods * pool.capacity_bytes * pool.scaling.capacity_percent // 100
+    arenas = ready_pods * pool.capacity_bytes * pool.scaling.capacity_percent // 100
+    if pool.scaling.size_by != "workingSet" or shared is None:
+        return arenas
+    return min(arenas, math.ceil(shared * WORKING_SET_HEADROOM))
 
 
 def desired_shards(

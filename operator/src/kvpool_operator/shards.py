@@ -12,7 +12,7 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-from kvpool_operator import events, names, objects, pods
+from kvpool_operator import events, names, objects, pods, working_set
 from kvpool_operator.kube import Kube
 from kvpool_operator.objects import shard_maxmemory
 from kvpool_operator.pool import Pool
@@ -126,12 +126,17 @@ async def scale(
         utilization = await memo.memory_source(pool, await _ready_shard_pods(kube, pool))
         if utilization is not None:  # shown, never acted on: an LRU cache is always full
             result["memoryUtilization"] = round(utilization)
-        demand, shard = demand_bytes(pool, counts.ready), shard_maxmemory(pool)
+        shared = working_set.shared_bytes(sidecars, expected)
+        if shared is not None:
+            result["workingSetBytes"] = shared
+        demand, shard = demand_bytes(pool, counts.ready, shared), shard_maxmemory(pool)
         result["demandBytes"] = demand
         since = (now - datetime.datetime.fromisoformat(last)).total_seconds() if last else None
         desired = desired_shards(running, demand, shard, pool.scaling, since, settings.scale_cooldown)
         percent = pool.scaling.capacity_percent
         why = f" ({counts.ready} pods x {pool.capacity} x {percent}%, {shard} bytes a shard)"
+        if demand < demand_bytes(pool, counts.ready):
+            why = f" (what the {counts.ready} pods share: {shared} bytes + 25%, {shard} bytes a shard)"
 
     published = await _published(kube, pool)
     gave_up = None

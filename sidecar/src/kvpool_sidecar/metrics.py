@@ -81,6 +81,12 @@ MISS_RATIO_STATS = (
     gauge("sampling_rate", "Share of chunk keys the miss-ratio curve follows (SHARDS sampling)"),
     counter("sampled_lookups", "Chunk lookups the miss-ratio curve followed"),
 )
+WORKING_SET_PREFIX = "kvpool_working_set_"
+# /stats' working_set (WorkingSet.snapshot); its "sketch" (HyperLogLog registers, base64) is for merging
+WORKING_SET_STATS = (
+    gauge("chunks", "Distinct chunks looked up in the last one to two windows (HyperLogLog estimate)"),
+    gauge("window_seconds", "The working set's window"),
+)
 CURVE = Stat(
     "hit_rate", "gauge", "Estimated CPU-tier hit rate at `scale` times its capacity (`capacity_bytes`)"
 )
@@ -111,6 +117,7 @@ def render(stats: dict, ready: bool) -> str:
     lines = _render(STATS, PREFIX, stats)
     lines += _lines(f"{PREFIX}ready", "gauge", "1 when every tier is usable", 1 if ready else 0)
     lines += _render(REDIS_STATS, REDIS_PREFIX, stats.get("tiers", {}).get("redis") or {})
+    lines += _render(WORKING_SET_STATS, WORKING_SET_PREFIX, stats.get("working_set") or {})
     if curve := stats.get("miss_ratio"):
         lines += _render(MISS_RATIO_STATS, MISS_RATIO_PREFIX, curve)
         name = CURVE.metric(MISS_RATIO_PREFIX)

@@ -1,13 +1,13 @@
 """An online miss-ratio curve: the hit rate the CPU tier would have at other capacities, and its ceiling.
 
-Ghost LRU caches (keys and sizes, no bytes) at 0.25x, 0.5x, 1x, 2x and 4x the capacity follow the store's
-lookups (a hit moves a key to the front) and commits (a key enters, the least recently used leave).
+Ghost LRU caches (keys and sizes, no bytes) at 0.25x, 0.5x, 1x, 2x and 4x the capacity follow the
+store's lookups (a hit moves a key to the front; a miss enters at the mean chunk size, as the engine
+saves it next) and commits (a key enters, the least recently used leave).
 They follow a sample of the keys, fixed-size SHARDS (Waldspurger et al., FAST'15): a key is followed
 when its hash is under a threshold, the ghosts' capacities are scaled by the sampling rate, and when
 the largest ghost holds more than `max_keys` keys the threshold drops to the largest hash it holds,
-so memory stays bounded whatever the traffic. Chunk keys are already uniform hashes, so their first
-16 hex digits are the sampling hash. The ceiling (what an unbounded tier would hit: a key committed
-before) samples the same way in its own bounded set.
+so memory stays bounded whatever the traffic. The sampling hash is xxh3 of the key. The ceiling
+(what an unbounded tier would hit: a key committed before) samples the same way in its own bounded set.
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import xxhash
+
 SCALES = (0.25, 0.5, 1.0, 2.0, 4.0)
 _FULL = 1 << 64  # the threshold while every key is followed
 
 
 def _hash(key: str) -> int:
-    return int(key[:16], 16)
+    return xxhash.xxh3_64_intdigest(
+        key.encode()
+    )  # keys are hex of any shape a client chose, not always hashes
 
 
 class _Sample:

@@ -96,4 +96,7 @@ class Sidecar:
             "tiers": tiers,
             "engines": self.engines.reports,
             "miss_ratio": metrics.fields(metrics.MISS_RATIO_STATS, self.store.curve.snapshot(), ("curve",)),
+            "working_set": metrics.fields(
+                metrics.WORKING_SET_STATS, self.store.working_set.snapshot(), ("sketch",)
+            ),
         }

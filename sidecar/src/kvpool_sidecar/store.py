@@ -22,6 +22,7 @@ from kvpool_sidecar.chunk_index import ChunkIndex, Counters, Entry
 from kvpool_sidecar.miss_ratio import MissRatioCurve
 from kvpool_sidecar.promotion import LowerTier, Promotions
 from kvpool_sidecar.wire import ARENA_HEADER, Slot, checksum
+from kvpool_sidecar.working_set import WorkingSet
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class Store:
         self._promotions = Promotions(self.index, arena, self._lock, lease_seconds)
         self.arena_fault: str | None = None  # the last header found changed behind the sidecar
         self.curve = MissRatioCurve(arena.capacity)  # the hit rate at other capacities (sizing)
+        self.working_set = WorkingSet()  # the distinct chunks asked for lately (the shared tier's sizing)
 
     def _check_arena(self) -> None:
         """Before serving, under the lock: a header this sidecar did not write (a rogue writer, memory
@@ -254,6 +256,7 @@ class Store:
     def lookup(self, keys: Sequence[str]) -> int:
         n = self.cpu_prefix(keys, touch=True)
         self.curve.looked_up(keys)
+        self.working_set.looked_up(keys)
         lower = self.lower
         if n < len(keys) and lower is not None and lower.usable():
             for found in lower.exists_many(keys[n:]):
