@@ -131,6 +131,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         {**SHARED, "scaling": {"maxReplicas": 2, "capacityPercent": 0}},
         "spec.scaling.capacityPercent",
     ),
+    (
+        "size by something else",
+        {**SHARED, "scaling": {"maxReplicas": 2, "sizeBy": "requests"}},
+        "spec.scaling.sizeBy",
+    ),
     ("scaling on cpu backend", {"scaling": {"maxReplicas": 2}}, "spec.scaling"),
     (
         "scaling on external redis",
