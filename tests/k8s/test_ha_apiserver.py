@@ -177,3 +177,22 @@ def test_pods_are_injected_throughout_a_rolling_update(kubelet: LocalKubelet) ->
 def test_no_replica_was_refused_by_the_api_server(kubelet: LocalKubelet) -> None:
     for name in kubelet.ever:  # the replaced replicas too
         assert forbidden_calls(kubelet.log(name)) == [], name
+
+
+def test_uninstalled_while_pools_exist_nothing_is_left_stuck(kubelet: LocalKubelet) -> None:
+    """Last in this file: helm uninstall with a pool still there, then its namespace deleted: both gone
+    within 30 s. The status refresh used to be a kopf timer, which gave every pool kopf's finalizer;
+    with no operator left to remove it the pool stayed and its namespace stayed Terminating."""
+    cp = kubelet.cp
+    ns = namespace(cp, "ha-leftover")
+    apply(
+        cp, pool_manifest(ns, "stays", {"selector": {"matchLabels": {"pool": "stays"}}, "capacity": "64Mi"})
+    )
+    handled = wait_until(lambda: pool_ready(cp, ns, "stays"), 60, "the pool reconciled and Ready")
+    assert not handled["metadata"].get("finalizers")  # nothing for an operator to come back for
+    helm(cp, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "1m")
+    wait_until(lambda: not kubelet.running, 60, "the operator replicas to stop")
+    cp.kubectl("delete", "namespace", ns, "--wait=false")
+    wait_until(
+        lambda: cp.kubectl_result("get", "namespace", ns).returncode != 0, 30, f"namespace {ns} to be gone"
+    )

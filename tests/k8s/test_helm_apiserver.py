@@ -18,7 +18,7 @@ CRD = "kvcachepools.kvpool.dev"
 def test_install_upgrade_uninstall(control_plane: ControlPlane) -> None:
     cp = control_plane
     # helm installs CRDs only when absent: start without it, so this install is the one that creates it.
-    # Pools other tests left carry the finalizer of an operator no longer running: released as the
+    # Pools other tests left may carry a finalizer (as an older kvpool's did): released as the
     # README says to.
     remove_crd(cp)
     chart = str(REPO / "charts" / "kvpool")

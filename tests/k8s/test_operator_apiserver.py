@@ -147,7 +147,7 @@ def test_the_service_account_may_make_every_call_the_operator_needs(operator: tu
             continue  # only for an operator that watches some namespaces (the chart's other mode)
         for verb in sorted(verbs):
             target = f"{resource.split('/')[0]}.{group}" if group else resource.split("/")[0]
-            if resource == "clusterkopfpeerings" and verb == "patch":
+            if resource == "clusterkopfpeerings" and verb in ("get", "patch"):
                 target += "/kvpool"  # granted by name only: the chart's own peering object
             sub = ["--subresource", resource.split("/")[1]] if "/" in resource else []
             answer = cp.kubectl_result("auth", "can-i", verb, target, *sub, "-A", kubeconfig=op.kubeconfig)

@@ -374,7 +374,8 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_within_bounds_with_a_c
     wait_until(lambda: refreshes(cluster) >= seen + 3, 30, "three more refreshes")
     assert scale_state(cluster, ns) == (3, 3)  # the cooldown holds the shrink too
     wait_until(scaled_to(2), 30, "down one shard")
-    assert scale_state(cluster, ns) == (2, 2)  # unpublished before it goes
+    running, published = scale_state(cluster, ns)  # the next shrink may have begun: (2, 2) or (2, 1)
+    assert published <= running == 2  # a shard is unpublished before it goes, never after
     wait_until(scaled_to(1), 30, "down to the minimum")
     assert scale_state(cluster, ns) == (1, 1)
     end_cooldown(cluster, ns)

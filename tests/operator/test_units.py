@@ -11,6 +11,7 @@ from kvtest import free_port
 
 from kvpool_operator import conditions, pool_health, readiness, working_set
 from kvpool_operator.injection import arena_size_limit
+from kvpool_operator.leading import Peering, leads
 from kvpool_operator.pods import PodCounts, aggregate, miss_ratio_curve
 from kvpool_operator.pool import ScalingSpec, parse_pool
 from kvpool_operator.quantity import format_mebibytes, parse_quantity
@@ -253,3 +254,20 @@ def test_the_shared_tier_holds_the_union_of_what_the_pods_asked_for() -> None:
     assert demand_bytes(pool, 1, shared=2**40) == 8 * 2**30  # never more than the arenas
     by_arenas = parse_pool("ns", "p", {**spec, "scaling": {"maxReplicas": 64, "sizeBy": "arenas"}})
     assert demand_bytes(by_arenas, 300, shared=2000 * 2**20) == 300 * 8 * 2**30
+
+
+def test_only_the_replica_kopf_lets_act_refreshes() -> None:
+    """kopf's rule: a replica pauses while a live peer has its priority or a higher one."""
+    now = datetime.datetime(2026, 11, 26, 12, 0, tzinfo=datetime.UTC)
+    me = Peering(name="kvpool", clusterwide=True, identity="me", priority=-10, standalone=False)
+
+    def peer(priority: int, seconds_ago: float, lifetime: int = 60) -> dict:
+        seen = (now - datetime.timedelta(seconds=seconds_ago)).isoformat()
+        return {"priority": priority, "lifetime": lifetime, "lastseen": seen}
+
+    assert leads({"me": peer(-10, 0)}, me, now)  # alone
+    assert leads({"me": peer(-10, 0), "young": peer(-20, 1)}, me, now)  # the older process leads
+    assert not leads({"me": peer(-10, 0), "old": peer(-5, 1)}, me, now)
+    assert not leads({"me": peer(-10, 0), "twin": peer(-10, 1)}, me, now)  # a tie pauses both
+    assert leads({"me": peer(-10, 0), "gone": peer(-5, 61)}, me, now)  # dead past its lifetime
+    assert leads({"me": peer(-10, 0), "odd": {"priority": "x"}}, me, now)  # unreadable: not alive

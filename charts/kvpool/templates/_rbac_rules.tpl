@@ -49,6 +49,6 @@
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
   resourceNames: [{{ .Values.operator.peering | quote }}]
-  verbs: [patch]
+  verbs: [get, patch]
 {{- end }}
 {{- end -}}

@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 import random
+import secrets
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ import yaml
 
 from kvpool_operator.handlers import register
 from kvpool_operator.kube import rbac_rules
+from kvpool_operator.leading import Peering
 from kvpool_operator.scaling import MemorySource, redis_info_source
 from kvpool_operator.settings import DEFAULT_SIDECAR_IMAGE, OperatorSettings
 from kvpool_operator.state import OperatorState
@@ -119,6 +122,7 @@ class Operator:
             "namespaces": self.namespaces,
             "peering_name": self.peering_name,
             "standalone": self.standalone,
+            "identity": self.memo.peering.identity,  # the refresh loop finds itself in the peering by it
         }
 
 
@@ -155,7 +159,7 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
     settings.peering.standalone = args.standalone
     settings.peering.clusterwide = not namespaces
     settings.peering.mandatory = not args.standalone
-    settings.peering.priority = seniority()
+    settings.peering.priority = priority = seniority()
     settings.peering.lifetime = args.peering_lifetime
     settings.posting.level = logging.WARNING  # kopf's per-handler "succeeded" events are noise
     settings.persistence.finalizer = "kvpool.dev/finalizer"
@@ -174,7 +178,16 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
         insecure=args.webhook_insecure,
     )
     settings.admission.managed = None  # the chart owns the MutatingWebhookConfiguration
-    memo = OperatorState(ours, memory_source or redis_info_source(ours.scrape_timeout))
+    peering = Peering(
+        name=args.peering,
+        clusterwide=not namespaces,
+        # as kopf's own default (private to kopf): the pod's name where the chart sets POD_ID, else
+        # unique per process; the refresh loop finds itself in the peering by it
+        identity=os.environ.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(3)}",
+        priority=priority,
+        standalone=args.standalone,
+    )
+    memo = OperatorState(ours, memory_source or redis_info_source(ours.scrape_timeout), peering)
     return Operator(
         registry=registry,
         settings=settings,

@@ -8,10 +8,9 @@ from typing import Any
 
 import kopf
 
-from kvpool_operator import kube, names, readiness, webhook
+from kvpool_operator import kube, names, readiness, refresh_loop, webhook
 from kvpool_operator.pool_index import PoolIndex
 from kvpool_operator.reconcile import reconcile
-from kvpool_operator.refresh import refresh
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.skip_events import SkipEvents
 from kvpool_operator.state import OperatorState
@@ -31,10 +30,12 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         memo.pool_index = PoolIndex()
         memo.index_task = asyncio.create_task(memo.pool_index.run(memo.kube, settings.namespaces))
         memo.probes = await readiness.serve(settings.readiness, settings.liveness, memo.pool_index.ready)
+        memo.refresh_task = asyncio.create_task(refresh_loop.run(memo, memo.peering))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: OperatorState, **_: Any) -> None:
         memo.index_task.cancel()
+        memo.refresh_task.cancel()
         for runner in memo.probes:
             await runner.cleanup()
         await memo.kube.close()
@@ -42,9 +43,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     kopf.on.create(*POOLS, registry=registry, id="reconcile")(reconcile)
     kopf.on.update(*POOLS, registry=registry, id="reconcile", field="spec")(reconcile)
     kopf.on.resume(*POOLS, registry=registry, id="reconcile")(reconcile)
-    kopf.timer(*POOLS, registry=registry, id="refresh", interval=settings.stats_interval, initial_delay=1.0)(
-        refresh
-    )
+    # the status refresh is refresh_loop.run, started above: a kopf timer would finalize every pool
 
     @kopf.on.mutate(
         "v1", "pods", id=webhook.HANDLER_ID, operations={"CREATE"}, ignore_failures=True, registry=registry

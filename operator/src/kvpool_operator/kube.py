@@ -49,6 +49,9 @@ KINDS: dict[str, Kind] = {
     "ResourceQuota": Kind("api/v1", "resourcequotas", frozenset({"list"})),
     # the webhook's pool index (pool_index.py), followed by every replica
     "KVCachePool": Kind("apis/kvpool.dev/v1alpha1", "kvcachepools", frozenset({"list", "watch"})),
+    # which replica leads: leading.py reads kopf's peering (its verbs are with kopf's, below)
+    "ClusterKopfPeering": Kind("apis/kopf.dev/v1", "clusterkopfpeerings", frozenset()),
+    "KopfPeering": Kind("apis/kopf.dev/v1", "kopfpeerings", frozenset()),
 }
 
 # What kopf itself needs for this operator: watching pools and patching them (finalizer, progress
@@ -57,8 +60,8 @@ KINDS: dict[str, Kind] = {
 KOPF_RBAC: dict[tuple[str, str], frozenset[str]] = {
     ("kvpool.dev", "kvcachepools"): frozenset({"list", "watch", "patch"}),
     ("kvpool.dev", "kvcachepools/status"): frozenset({"patch"}),
-    ("kopf.dev", "clusterkopfpeerings"): frozenset({"list", "watch", "patch"}),
-    ("kopf.dev", "kopfpeerings"): frozenset({"list", "watch", "patch"}),
+    ("kopf.dev", "clusterkopfpeerings"): frozenset({"get", "list", "watch", "patch"}),  # get: leading.py
+    ("kopf.dev", "kopfpeerings"): frozenset({"get", "list", "watch", "patch"}),
     ("", "events"): frozenset({"create"}),
     ("", "namespaces"): frozenset({"list", "watch"}),
     ("apiextensions.k8s.io", "customresourcedefinitions"): frozenset({"list", "watch"}),
@@ -179,6 +182,15 @@ class Kube:
     async def patch(self, kind: str, namespace: str, name: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return await self._request(
             "PATCH", self._path(kind, namespace, name), body, content_type="application/merge-patch+json"
+        )
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        """Merge-patches the status subresource (RBAC: `<plural>/status`, granted with kopf's)."""
+        await self._request(
+            "PATCH",
+            self._path(kind, namespace, name) + "/status",
+            {"status": status},
+            content_type="application/merge-patch+json",
         )
 
     async def ensure(self, kind: str, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -26,11 +26,16 @@ log = logging.getLogger("kvpool.index")
 class PoolIndex:
     def __init__(self) -> None:
         self._pools: dict[str, dict[str, Pool]] = {}  # namespace -> name -> pool
+        self._bodies: dict[str, dict[str, dict[str, Any]]] = {}  # and the objects as last seen
         self._listed: set[str | None] = set()
         self.ready = asyncio.Event()
 
     def in_namespace(self, namespace: str) -> list[Pool]:
         return list(self._pools.get(namespace, {}).values())
+
+    def bodies(self) -> list[dict[str, Any]]:
+        """Every usable pool as the API server last sent it (status included), for the refresh loop."""
+        return [body for pools in self._bodies.values() for body in pools.values()]
 
     async def run(self, kube: Kube, namespaces: Iterable[str]) -> None:
         """Follows the pools of `namespaces` (all namespaces when empty) until cancelled."""
@@ -60,8 +65,10 @@ class PoolIndex:
     def _replace(self, namespace: str | None, items: list[dict[str, Any]]) -> None:
         if namespace is None:
             self._pools.clear()
+            self._bodies.clear()
         else:
             self._pools.pop(namespace, None)
+            self._bodies.pop(namespace, None)
         for item in items:
             self._apply("ADDED", item)
 
@@ -69,8 +76,10 @@ class PoolIndex:
         meta = obj.get("metadata") or {}
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
         pools = self._pools.setdefault(namespace, {})
+        bodies = self._bodies.setdefault(namespace, {})
         if kind == "DELETED":
             pools.pop(name, None)
+            bodies.pop(name, None)
             return
         if kind not in ("ADDED", "MODIFIED"):
             return  # BOOKMARK
@@ -79,6 +88,8 @@ class PoolIndex:
             pools[name] = dataclasses.replace(
                 pool, sidecar_not_starting=not_starting(obj), vllm_failing=blocked_images(obj)
             )
+            bodies[name] = obj
         except ValueError as e:
             pools.pop(name, None)
+            bodies.pop(name, None)
             log.warning("pool %s/%s not usable: %s", namespace, name, e)

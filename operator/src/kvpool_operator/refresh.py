@@ -1,5 +1,5 @@
-"""Every --stats-interval seconds, per pool: count its pods, gather its sidecars' stats, scale its
-shared Redis tier, and write what it found to status (the handler is a kopf timer)."""
+"""One pool's refresh: count its pods, gather its sidecars' stats, scale its shared Redis tier, and
+say what changed in its status (refresh_loop.py runs it for every pool every --stats-interval)."""
 
 from __future__ import annotations
 
@@ -7,53 +7,41 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-import kopf
-
 from kvpool_operator import conditions, events, pods, pool_health, shards, vllm_breaker
 from kvpool_operator.injection import sidecar_image
-from kvpool_operator.kube import RETRY_DELAY, ApiError, Kube
+from kvpool_operator.kube import Kube
 from kvpool_operator.outdated import outdated
 from kvpool_operator.pool import Pool, parse_pool, problems
 from kvpool_operator.state import OperatorState
 
 
-async def refresh(
-    spec: Mapping[str, Any],
-    meta: Mapping[str, Any],
-    name: str,
-    namespace: str | None,
-    status: Mapping[str, Any],
-    patch: kopf.Patch,
-    memo: OperatorState,
-    **_: Any,
-) -> None:
-    namespace = namespace or ""  # pools are namespaced (kopf types None for cluster objects)
+async def refresh(body: Mapping[str, Any], memo: OperatorState) -> dict[str, Any]:
+    """The pool's status fields that changed (none for a pool reconcile reports as unusable). API
+    errors go to the caller: the next round tries again."""
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    status: Mapping[str, Any] = body.get("status") or {}
+    namespace, name = meta.get("namespace") or "", meta.get("name") or ""
     kube = memo.kube
     settings = memo.settings
     try:
         pool = parse_pool(namespace, name, spec, meta.get("uid"))
     except ValueError:
-        return  # reconcile reports it
+        return {}  # reconcile reports it
     if problems(pool):
-        return
+        return {}
     now = datetime.datetime.now(datetime.UTC)
     generation = meta.get("generation")
-    try:
-        found = await kube.list_pods(namespace, pool.selector)
-        counts = pods.count(found, name, lambda p: outdated(p, pool, settings))
-        urls = [
-            u for p in found if pods.injected_by(p, name) and pods.is_ready(p) and (u := pods.stats_url(p))
-        ]
-        each = await pods.scrape(urls, settings.scrape_timeout)
-        scraped = [s for s in each if s is not None]
-        stats = pods.aggregate(scraped)
-        tier: tuple[int, int] | None = None
-        shared: dict[str, Any] | None = None
-        if pool.shared_tier:
-            shared = await shards.scale(kube, pool, memo, now, counts, scraped, len(urls))
-            tier = (shared["replicas"], shared["readyReplicas"])
-    except ApiError as e:
-        raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
+    found = await kube.list_pods(namespace, pool.selector)
+    counts = pods.count(found, name, lambda p: outdated(p, pool, settings))
+    urls = [u for p in found if pods.injected_by(p, name) and pods.is_ready(p) and (u := pods.stats_url(p))]
+    each = await pods.scrape(urls, settings.scrape_timeout)
+    scraped = [s for s in each if s is not None]
+    stats = pods.aggregate(scraped)
+    tier: tuple[int, int] | None = None
+    shared: dict[str, Any] | None = None
+    if pool.shared_tier:
+        shared = await shards.scale(kube, pool, memo, now, counts, scraped, len(urls))
+        tier = (shared["replicas"], shared["readyReplicas"])
 
     image = sidecar_image(pool, settings)
     breaker = await sidecar_breaker(kube, pool, image, found, status, generation)
@@ -85,9 +73,7 @@ async def refresh(
     if shared is not None:
         found_status["sharedTier"] = shared
     # only what changed: an unchanged pool costs the API server no write and its watchers no event
-    for key, value in found_status.items():
-        if status.get(key) != value:
-            patch.status[key] = value
+    return {key: value for key, value in found_status.items() if status.get(key) != value}
 
 
 async def sidecar_breaker(

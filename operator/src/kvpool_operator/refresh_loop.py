@@ -1,0 +1,58 @@
+"""Every --stats-interval seconds, on the leading replica, each pool's refresh (refresh.py) and its
+status written. Not a kopf timer: kopf gives every pool with a timer a finalizer, which an operator
+uninstalled before its pools leaves behind (pools stuck deleting, namespaces stuck Terminating)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kvpool_operator.kube import ApiError
+from kvpool_operator.leading import Peering, leading
+from kvpool_operator.refresh import refresh
+from kvpool_operator.state import OperatorState
+
+FIRST_DELAY = 1.0  # seconds after start: a new replica says what it sees at once
+log = logging.getLogger("kvpool.refresh")
+
+
+async def run(memo: OperatorState, peering: Peering) -> None:
+    """Until cancelled."""
+    await asyncio.sleep(FIRST_DELAY)
+    while True:
+        started = asyncio.get_running_loop().time()
+        await memo.pool_index.ready.wait()
+        bodies = memo.pool_index.bodies()
+        acting = {ns for ns in {_namespace(b) for b in bodies} if await _leading(memo, peering, ns)}
+        await asyncio.gather(*(_one(memo, b) for b in bodies if _namespace(b) in acting))
+        spent = asyncio.get_running_loop().time() - started
+        await asyncio.sleep(max(0.0, memo.settings.stats_interval - spent))
+
+
+def _namespace(body: Mapping[str, Any]) -> str:
+    return (body.get("metadata") or {}).get("namespace") or ""
+
+
+async def _leading(memo: OperatorState, peering: Peering, namespace: str) -> bool:
+    try:
+        return await leading(memo.kube, peering, namespace)
+    except (ApiError, OSError, TimeoutError) as e:
+        log.warning("reading kopf's peering failed (%s): no refresh this round", e)
+        return False
+
+
+async def _one(memo: OperatorState, body: Mapping[str, Any]) -> None:
+    meta = body.get("metadata") or {}
+    where = f"[{meta.get('namespace')}/{meta.get('name')}]"
+    try:
+        changed = await refresh(body, memo)
+        if changed:
+            await memo.kube.patch_status("KVCachePool", meta["namespace"], meta["name"], changed)
+    except (ApiError, OSError, TimeoutError) as e:
+        if isinstance(e, ApiError) and e.status == 404:
+            return  # deleted meanwhile
+        log.warning("%s refresh failed (%s); again in %ss", where, e, memo.settings.stats_interval)
+    except Exception:
+        log.exception("%s refresh failed; again next round", where)
