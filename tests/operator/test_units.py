@@ -224,6 +224,7 @@ def test_the_pools_miss_ratio_curve_weighs_each_sidecar_by_its_lookups() -> None
 def test_the_shared_tier_holds_the_union_of_what_the_pods_asked_for() -> None:
     import hashlib
 
+    from kvpool_sidecar.miss_ratio import key_hashes
     from kvpool_sidecar.working_set import WorkingSet, decode
     from kvpool_sidecar.working_set import estimate as sidecars_estimate
 
@@ -232,7 +233,7 @@ def test_the_shared_tier_holds_the_union_of_what_the_pods_asked_for() -> None:
 
     def sidecar(own: str) -> dict:  # 1,000 chunks of a shared prompt and 250 of its own, 1 MiB each
         ws = WorkingSet()
-        ws.looked_up([key(i, "shared") for i in range(1000)] + [key(i, own) for i in range(250)])
+        ws.looked_up(key_hashes([key(i, "shared") for i in range(1000)] + [key(i, own) for i in range(250)]))
         return {"stored_bytes": 100 * 2**20, "chunks": 100, "working_set": ws.snapshot()}
 
     pods = [sidecar(f"pod{n}") for n in range(4)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from sidecar_support import key
 
 from bench.miss_ratio_bench import CHUNK, compare
-from kvpool_sidecar.miss_ratio import MissRatioCurve
+from kvpool_sidecar.miss_ratio import MissRatioCurve, key_hashes
 
 
 def test_the_curve_is_within_5_points_of_an_exact_lru_at_each_capacity_and_the_ceiling() -> None:
@@ -23,7 +23,7 @@ def test_memory_is_bounded_whatever_the_traffic() -> None:
     curve = MissRatioCurve(capacity=2**40, max_keys=256)  # room for every chunk: only the bound holds
     for i in range(20_000):
         keys = [key(i, "unique"), key(i % 50, "hot")]
-        curve.looked_up(keys)
+        curve.looked_up(key_hashes(keys))
         curve.committed([(k, 1 << 20) for k in keys])
     largest = curve._ghosts[-1]
     assert len(largest.entries) <= 256 and len(curve._seen) <= 4 * 256

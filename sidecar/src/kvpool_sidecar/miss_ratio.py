@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import xxhash
@@ -24,10 +24,16 @@ SCALES = (0.25, 0.5, 1.0, 2.0, 4.0)
 _FULL = 1 << 64  # the threshold while every key is followed
 
 
-def _hash(key: str) -> int:
-    return xxhash.xxh3_64_intdigest(
-        key.encode()
-    )  # keys are hex of any shape a client chose, not always hashes
+# At most one key in 8 followed, from the start: the curve's work stays off most lookups' keys (an
+# 8-key lookup pays one hash per key and, on average, one ghost update), and past a few thousand
+# keys the bound below takes the rate lower still.
+MAX_RATE_SHIFT = 3
+
+
+def key_hashes(keys: Iterable[str]) -> list[int]:
+    """The 64-bit hash of each key, computed once per lookup for the curve and the working set (keys
+    are hex of any shape a client chose, not always hashes)."""
+    return [xxhash.xxh3_64_intdigest(key.encode()) for key in keys]
 
 
 class _Sample:
@@ -37,7 +43,7 @@ class _Sample:
 
     def __init__(self, max_keys: int) -> None:
         self.max_keys = max_keys
-        self.threshold = _FULL
+        self.threshold = _FULL >> MAX_RATE_SHIFT
         self._heap: list[int] = []  # -hash of every key followed since the last compaction
 
     @property
@@ -104,6 +110,11 @@ class MissRatioCurve:
         self._seen_sample = _Sample(4 * max_keys)
         self._accesses = 0  # sampled keys looked up (the ghosts' sample)
         self._seen_accesses = 0  # and the ceiling's
+        # SHARDS-adj (the paper's correction): how many keys each sample should have seen, at the rate
+        # it had; a hot key sampled or not moves the sampled count far from it, and the difference is
+        # counted as hits (hot keys hit at every size)
+        self._expected = 0.0
+        self._seen_expected = 0.0
         self._seen_hits = 0
         self._mean_size = 0.0  # of the chunks committed: what a chunk a ghost missed will take
         self._sizes_seen = 0
@@ -115,12 +126,17 @@ class MissRatioCurve:
             ghost.capacity = ghost.scale * self.capacity * self._ghost_sample.rate
             ghost.shrink()
 
-    def looked_up(self, keys: Iterable[str]) -> None:
-        """A lookup: each ghost counts the keys it holds as hits, and takes the others as the store
-        would after the miss (the engine computes and saves them), at the mean size saved so far."""
+    def looked_up(self, hashes: Iterable[int]) -> None:
+        """A lookup (its keys' key_hashes): each ghost counts the keys it holds as hits, and takes the
+        others as the store would after the miss (the engine computes and saves them), at the mean
+        size saved so far."""
+        hashes = list(hashes)
+        ghosts, seen = self._ghost_sample.threshold, self._seen_sample.threshold
+        followed = [h for h in hashes if h < ghosts or h < seen]
         with self._lock:
-            for key in keys:
-                h = _hash(key)
+            self._expected += len(hashes) * self._ghost_sample.rate
+            self._seen_expected += len(hashes) * self._seen_sample.rate
+            for h in followed:
                 if self._ghost_sample.follows(h):
                     self._accesses += 1
                     self._follow(h, self._mean_size, lookup=True)
@@ -131,7 +147,7 @@ class MissRatioCurve:
     def committed(self, chunks: Iterable[tuple[str, int]]) -> None:
         with self._lock:
             for key, size in chunks:
-                h = _hash(key)
+                (h,) = key_hashes((key,))
                 self._sizes_seen += 1
                 self._mean_size += (size - self._mean_size) / self._sizes_seen
                 if self._ghost_sample.follows(h):
@@ -158,24 +174,22 @@ class MissRatioCurve:
     def snapshot(self) -> dict[str, Any]:
         """For /stats: each capacity's estimated hit rate, the ceiling, and how much was sampled."""
         with self._lock:
-            accesses = self._accesses or 1
+
+            def adjusted(hits: int, sampled: int, expected: float) -> float:
+                if expected < 1:
+                    return 0.0
+                return min(1.0, max(0.0, (hits + expected - sampled) / expected))
+
             return {
                 "curve": [
                     {
                         "scale": g.scale,
                         "capacity_bytes": int(g.scale * self.capacity),
-                        "hit_rate": g.hits / accesses,
+                        "hit_rate": adjusted(g.hits, self._accesses, self._expected),
                     }
                     for g in self._ghosts
                 ],
-                "ceiling_hit_rate": self._seen_hits / (self._seen_accesses or 1),
+                "ceiling_hit_rate": adjusted(self._seen_hits, self._seen_accesses, self._seen_expected),
                 "sampling_rate": self._ghost_sample.rate,
                 "sampled_lookups": self._accesses,
             }
-
-
-def hit_rates(curve: MissRatioCurve) -> Sequence[float]:
-    """The curve's hit rates, smallest capacity first (for the bench and tests)."""
-    points = curve.snapshot()["curve"]
-    assert isinstance(points, list)
-    return [p["hit_rate"] for p in points]

@@ -19,7 +19,7 @@ from enum import Enum
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.batching import LOCKED_SLICE
 from kvpool_sidecar.chunk_index import ChunkIndex, Counters, Entry
-from kvpool_sidecar.miss_ratio import MissRatioCurve
+from kvpool_sidecar.miss_ratio import MissRatioCurve, key_hashes
 from kvpool_sidecar.promotion import LowerTier, Promotions
 from kvpool_sidecar.wire import ARENA_HEADER, Slot, checksum
 from kvpool_sidecar.working_set import WorkingSet
@@ -255,8 +255,9 @@ class Store:
 
     def lookup(self, keys: Sequence[str]) -> int:
         n = self.cpu_prefix(keys, touch=True)
-        self.curve.looked_up(keys)
-        self.working_set.looked_up(keys)
+        hashes = key_hashes(keys)
+        self.curve.looked_up(hashes)
+        self.working_set.looked_up(hashes)
         lower = self.lower
         if n < len(keys) and lower is not None and lower.usable():
             for found in lower.exists_many(keys[n:]):

@@ -16,8 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-import xxhash
-
 PRECISION = 12
 REGISTERS = 1 << PRECISION
 _REST = 64 - PRECISION
@@ -67,12 +65,12 @@ class WorkingSet:
         self._started = clock()
         self._lock = threading.Lock()
 
-    def looked_up(self, keys: Iterable[str]) -> None:
+    def looked_up(self, hashes: Iterable[int]) -> None:
+        """A lookup's keys, as miss_ratio.key_hashes."""
         with self._lock:
             self._rotate()
             registers = self._current
-            for key in keys:
-                h = xxhash.xxh3_64_intdigest(key.encode())  # keys are hex of any shape a client chose
+            for h in hashes:
                 rank = _REST - (h & ((1 << _REST) - 1)).bit_length() + 1
                 i = h >> _REST
                 if rank > registers[i]:
