@@ -299,6 +299,28 @@ def shards_ready(cluster: Cluster, ns: str, n: int) -> None:
     cluster.api.patch(apps_path(ns, "statefulsets", "tier-kvpool-redis"), {"status": {"readyReplicas": n}})
 
 
+def shared_tier(cluster: Cluster, ns: str, capacity: str, max_replicas: int, **spec: Any) -> None:
+    """A pool "tier" of the pods labelled app=vllm with a shared Redis tier of 128Mi shards, scaled
+    from one to `max_replicas`; once its StatefulSet exists, the first shard is reported ready."""
+    create_pool(
+        cluster,
+        ns,
+        "tier",
+        {
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "capacity": capacity,
+            "backend": "redis",
+            "redis": {"mode": "shared", "replicas": 1, "memory": "128Mi"},
+            "scaling": {"minReplicas": 1, "maxReplicas": max_replicas},
+            **spec,
+        },
+    )
+    wait_until(
+        lambda: cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis")), 30, "the StatefulSet"
+    )
+    shards_ready(cluster, ns, 1)
+
+
 def test_the_shared_tier_follows_the_pools_pods_both_ways_within_bounds_with_a_cooldown(
     cluster: Cluster,
 ) -> None:
@@ -307,22 +329,7 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_within_bounds_with_a_c
     down one shard per cooldown to the minimum, each unpublished before it stops. (Real sidecars,
     whose drain holds a shrink: tests/k8s.)"""
     ns = "scale"
-    create_pool(
-        cluster,
-        ns,
-        "tier",
-        {
-            "selector": {"matchLabels": {"app": "vllm"}},
-            "capacity": "64Mi",
-            "backend": "redis",
-            "redis": {"mode": "shared", "replicas": 1, "memory": "128Mi"},
-            "scaling": {"minReplicas": 1, "maxReplicas": 3, "capacityPercent": 100},
-        },
-    )
-    wait_until(
-        lambda: cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis")), 30, "the StatefulSet"
-    )
-    shards_ready(cluster, ns, 1)
+    shared_tier(cluster, ns, "64Mi", 3)
     assert scale_state(cluster, ns) == (1, 1)
     for i in range(2):
         run_pod(cluster, ns, f"vllm-{i}", {"app": "vllm"}, ready=True)
@@ -390,21 +397,7 @@ def test_a_shrink_whose_sidecars_never_confirm_gives_up_after_the_drain_timeout(
     timeout (3 s here, 10 minutes by default), then stops it anyway: a Warning event, and the pool
     Degraded with reason DrainGaveUp naming why. Before, the tier stayed at its size for ever."""
     ns = "drain"
-    create_pool(
-        cluster,
-        ns,
-        "tier",
-        {
-            "selector": {"matchLabels": {"app": "vllm"}},
-            "capacity": "64Mi",
-            "backend": "redis",
-            "redis": {"mode": "shared", "replicas": 1, "memory": "128Mi"},
-            "scaling": {"minReplicas": 1, "maxReplicas": 2, "capacityPercent": 100},
-        },
-    )
-    wait_until(
-        lambda: cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis")), 30, "the StatefulSet"
-    )
+    shared_tier(cluster, ns, "64Mi", 2)
     for i in range(2):
         run_pod(cluster, ns, f"vllm-{i}", {"app": "vllm"}, ready=True)
 
@@ -448,23 +441,7 @@ def test_the_shared_tier_is_sized_by_what_the_pods_share_not_by_their_arenas(
         assert client.put(key, b"x" * 4096)
     assert client.lookup(keys) == 40
     ns = "sharing"
-    create_pool(
-        cluster,
-        ns,
-        "tier",
-        {
-            "selector": {"matchLabels": {"app": "vllm"}},
-            "capacity": "1Gi",
-            "sidecar": {"port": port},
-            "backend": "redis",
-            "redis": {"mode": "shared", "replicas": 1, "memory": "128Mi"},
-            "scaling": {"minReplicas": 1, "maxReplicas": 4},
-        },
-    )
-    wait_until(
-        lambda: cluster.api.get(apps_path(ns, "statefulsets", "tier-kvpool-redis")), 30, "the StatefulSet"
-    )
-    shards_ready(cluster, ns, 1)
+    shared_tier(cluster, ns, "1Gi", 4, sidecar={"port": port})
     for i in range(2):
         run_pod(cluster, ns, f"vllm-{i}", {"app": "vllm"}, ready=True)
     tier = wait_status(
