@@ -223,9 +223,10 @@ def test_pool_status_counts_pods_and_reads_their_real_sidecars(operator: tuple, 
         assert status["matchedPods"] == 2 and status["readyPods"] == 2 and status["outdatedPods"] == 0
         assert status["stats"]["capacityBytes"] == 2 * 64 * 2**20
         assert status["stats"]["hitRate"] > 0
-        # sizing from data: the API server kept the curve (the CRD's schema declares it)
+        # sizing from data: the API server kept the curve (the CRD's schema declares it); one lookup
+        # is too few for a sampled estimate to say more than that it is a rate
         assert list(status["stats"]["hitRateAt"]) == ["0.25x", "0.5x", "1x", "2x", "4x"]
-        assert 0 < status["stats"]["hitRateCeiling"] <= 1
+        assert 0 <= status["stats"]["hitRateCeiling"] <= 1
         ready = next(c for c in status["conditions"] if c["type"] == "Ready")
         assert ready["status"] == "True" and ready["observedGeneration"] == pool["metadata"]["generation"]
         assert status["observedGeneration"] == pool["metadata"]["generation"]
