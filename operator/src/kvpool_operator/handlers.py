@@ -30,7 +30,7 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
         memo.pool_index = PoolIndex()
         memo.index_task = asyncio.create_task(memo.pool_index.run(memo.kube, settings.namespaces))
         memo.probes = await readiness.serve(settings.readiness, settings.liveness, memo.pool_index.ready)
-        memo.refresh_task = asyncio.create_task(refresh_loop.run(memo, memo.peering))
+        memo.refresh_task = asyncio.create_task(refresh_loop.run(memo))
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: OperatorState, **_: Any) -> None:

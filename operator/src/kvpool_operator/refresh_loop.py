@@ -18,15 +18,20 @@ FIRST_DELAY = 1.0  # seconds after start: a new replica says what it sees at onc
 log = logging.getLogger("kvpool.refresh")
 
 
-async def run(memo: OperatorState, peering: Peering) -> None:
+async def run(memo: OperatorState) -> None:
     """Until cancelled."""
+    peering = memo.peering
     await asyncio.sleep(FIRST_DELAY)
     while True:
         started = asyncio.get_running_loop().time()
         await memo.pool_index.ready.wait()
         bodies = memo.pool_index.bodies()
-        acting = {ns for ns in {_namespace(b) for b in bodies} if await _leading(memo, peering, ns)}
-        await asyncio.gather(*(_one(memo, b) for b in bodies if _namespace(b) in acting))
+
+        def scope(body: Mapping[str, Any]) -> str:  # one peering object for all namespaces, or one each
+            return "" if peering.clusterwide else _namespace(body)
+
+        acting = {s for s in {scope(b) for b in bodies} if await _leading(memo, peering, s)}
+        await asyncio.gather(*(_one(memo, b) for b in bodies if scope(b) in acting))
         spent = asyncio.get_running_loop().time() - started
         await asyncio.sleep(max(0.0, memo.settings.stats_interval - spent))
 

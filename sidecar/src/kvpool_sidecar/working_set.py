@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 PRECISION = 12
 REGISTERS = 1 << PRECISION
 _REST = 64 - PRECISION
+_LOW = (1 << _REST) - 1  # a hash's bits below the register index
 WINDOW_SECONDS = 1800.0
 
 
@@ -71,7 +72,7 @@ class WorkingSet:
             self._rotate()
             registers = self._current
             for h in hashes:
-                rank = _REST - (h & ((1 << _REST) - 1)).bit_length() + 1
+                rank = _REST - (h & _LOW).bit_length() + 1
                 i = h >> _REST
                 if rank > registers[i]:
                     registers[i] = rank
