@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 import urllib.request
+from pathlib import Path
 
-from kvtest import RedisServer, redis_call, redis_with, wait_until
+from kvtest import RedisServer, free_port, redis_call, redis_with, wait_until
 from sidecar_support import key, load, payload, redis_stats, save
 
 from kvpool_sidecar.client import SidecarClient
@@ -286,3 +289,56 @@ def test_a_write_redis_refuses_for_memory_is_dropped_and_the_shard_keeps_serving
         assert stats["shards_up"] == 1 and stats["write_errors"] == 0
         assert c.readyz() == (True, "ok")
         assert c.lookup([key(1, "oom")]) == 1
+
+
+def mount_secret(directory: Path, data: dict[str, str]) -> None:
+    """Writes `data` as the kubelet writes a Secret volume: the files in a new directory, the `..data`
+    link swapped to it in one rename, each key a link through `..data`."""
+    directory.mkdir(exist_ok=True)
+    version = directory / f"..{time.time_ns()}"
+    version.mkdir()
+    for name, value in data.items():
+        (version / name).write_text(value)
+    swap = directory / "..data_tmp"
+    swap.symlink_to(version.name)
+    os.replace(swap, directory / "..data")
+    for name in data:
+        if not (directory / name).is_symlink():
+            (directory / name).symlink_to(f"..data/{name}")
+
+
+def test_a_secret_made_again_reaches_a_running_sidecar_and_the_change_is_only_misses(
+    sidecar_factory, tmp_path: Path
+) -> None:
+    """A deleted Secret is made again with a new value and the shards roll with it (#21, item 2): a running
+    sidecar takes the new password and pool key from its mounted Secret, no restart, and until it has
+    them the old ones only ever give misses, never an error to vLLM."""
+    secret = tmp_path / "credentials"
+    mount_secret(secret, {"redis-password": "old-password", "pool-key": "old-key"})
+    files = ["--redis-password-file", str(secret / "redis-password"),
+             "--pool-key-file", str(secret / "pool-key"), "--pool-key-required"]  # fmt: skip
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    before, during, after = key(1, "before"), key(2, "during"), key(3, "after")
+    with redis_with(password="old-password", port=port):
+        a = client(sidecar_factory("16Mi", [url], *files))
+        wait_until(lambda: a.readyz()[0], 15, "the sidecar on the mounted password and key")
+        save(a, {before: payload(30_000, 1)})
+        wait_until(lambda: redis_stats(a)["written"] == 1, 30, "write-behind under the old credentials")
+    # the shard rolled: a new process with the new password (empty, as a restarted shard is)
+    with redis_with(password="new-password", port=port):
+        wait_until(lambda: "auth" in a.readyz()[1].lower(), 15, "the old password refused")
+        save(a, {during: payload(30_000, 2)})  # the CPU tier serves on; the write behind is dropped
+        assert load(a, [during]) == {during: payload(30_000, 2)}
+        new = {"KVPOOL_REDIS_PASSWORD": "new-password", "KVPOOL_POOL_KEY": "new-key"}
+        b = client(sidecar_factory("16Mi", [url], "--pool-key-required", env=new))  # a pod started after
+        wait_until(lambda: b.readyz()[0], 15, "a new pod on the new credentials")
+        assert b.lookup([before]) == 0 and b.lookup([during]) == 0
+        mount_secret(
+            secret, {"redis-password": "new-password", "pool-key": "new-key"}
+        )  # the kubelet's update
+        wait_until(lambda: a.readyz()[0], 15, "the running sidecar on the new password")
+        save(a, {after: payload(30_000, 3)})
+        wait_until(lambda: redis_stats(a)["written"] == 2, 30, "write-behind under the new credentials")
+        assert load(b, [after]) == {after: payload(30_000, 3)}  # the new key's MAC: one pool again
+        assert redis_stats(b)["auth_failures"] == 0

@@ -110,6 +110,14 @@ class Shards:
         self._file_state: tuple[float, int] | None = None
         self._set_urls(self._read_urls_file() or urls)
 
+    def set_password(self, password: str | None) -> None:
+        """A new password: every shard reconnects with it at its next check."""
+        with self._lock:
+            self.password = password
+            shards, self.current = self.current, [Shard(s.url, password) for s in self.current]
+        for old in shards:
+            old.close()
+
     def _set_urls(self, urls: Sequence[str]) -> None:
         with self._lock:
             old = {s.url: s for s in self.current}

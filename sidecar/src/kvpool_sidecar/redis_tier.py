@@ -12,6 +12,9 @@
   over the key, length, checksum and priority. A chunk whose MAC fails (planted by something without
   the secret, or written by another pool) is never promoted: it is a miss, deleted from Redis so the
   real chunk can be written, and counted (`auth_failures`). Without a key the tier trusts Redis.
+- The password and the key may come from files (a mounted Secret, which the kubelet rewrites when the
+  Secret changes), read again every health round: a Secret the operator had to make again reaches a
+  running sidecar without a restart. Until it does, the old password or key is only ever a miss.
 - Shards are chosen by rendezvous hashing of the chunk key (adding a shard moves ~1/n of keys).
 - A shard that fails is marked down at once and skipped (a miss, a dropped write) until the health
   thread's PING succeeds again; redis-py reconnects on the next command, so recovery needs nothing.
@@ -52,6 +55,13 @@ log = logging.getLogger(__name__)
 _ERRORS = (redis.RedisError, OSError)
 
 
+def _read_secret(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:  # not there (yet): an optional Secret's file appears once the Secret does
+        return None
+
+
 def _delete(shard: Shard, key: str) -> None:
     shard.redis.delete(chunk_key(key))
 
@@ -86,10 +96,14 @@ class RedisTier:
     pool_key: bytes | None = field(default=None, repr=False)
     queue_bytes: int = 256 * 2**20
     urls_file: Path | None = None
+    password_file: Path | None = None  # wins over `password` (see reload_credentials)
+    pool_key_file: Path | None = None  # wins over `pool_key`
+    pool_key_required: bool = False  # no key (yet): the tier stays off
     health_interval: float = 1.0
     counters: TierCounters = field(default_factory=TierCounters)
 
     def __post_init__(self) -> None:
+        self._read_credential_files()
         self.shards = Shards(self.urls, self.password, self.urls_file)
         # (op, key, bytes): unbounded in entries, bounded in bytes (see saved)
         self._queue: queue.Queue[tuple[str, str, int]] = queue.Queue()
@@ -108,15 +122,48 @@ class RedisTier:
             pool_key=settings.pool_key,
             queue_bytes=settings.redis_queue_bytes or settings.capacity // 2,
             urls_file=settings.redis_urls_file,
+            password_file=settings.redis_password_file,
+            pool_key_file=settings.pool_key_file,
+            pool_key_required=settings.pool_key_required,
         )
+
+    def reload_credentials(self) -> None:
+        """Takes up the password and key files' current values. A new password reconnects every shard."""
+        if self._read_credential_files():
+            self.shards.set_password(self.password)
+
+    def _read_credential_files(self) -> bool:
+        """An absent or empty file: none yet (an optional Secret not made yet). True: a new password."""
+        if self.pool_key_file is not None:
+            key = _read_secret(self.pool_key_file)
+            new_key = key.encode() if key else None
+            if new_key != self.pool_key:
+                log.warning(
+                    "the pool key is new (%s): chunks under another key are misses", self.pool_key_file
+                )
+                self.pool_key = new_key
+        if self.password_file is not None:
+            password = _read_secret(self.password_file)
+            if password != self.password:
+                log.warning("the redis password is new (%s): reconnecting", self.password_file)
+                self.password = password
+                return True
+        return False
 
     # --- state --------------------------------------------------------------------------------------
 
     def usable(self) -> bool:
-        return any(s.up for s in self.shards.current)
+        return self._key_missing() is None and any(s.up for s in self.shards.current)
 
     def health(self) -> tuple[bool, str]:
-        return self.shards.health()
+        missing = self._key_missing()
+        return (False, missing) if missing else self.shards.health()
+
+    def _key_missing(self) -> str | None:
+        if self.pool_key_required and self.pool_key is None:
+            where = self.pool_key_file or "KVPOOL_POOL_KEY"
+            return f"redis tier off: no pool key yet ({where}: is the pool's key Secret there?)"
+        return None
 
     def stats(self) -> dict:
         """/stats' tiers.redis: the fields declared in metrics.REDIS_STATS (which /metrics renders)."""
@@ -169,6 +216,7 @@ class RedisTier:
     def _health_loop(self) -> None:
         while not self._stop.wait(self.health_interval):
             try:
+                self.reload_credentials()
                 self.shards.refresh()
             except Exception:  # this thread is what brings Redis back: it must not die
                 log.exception("redis health check failed")
@@ -216,7 +264,7 @@ class RedisTier:
     def write(self, key: str) -> bool:
         """Copies a chunk from the arena into its shard. False when not written (counted)."""
         shard = self.shards.holder(key)
-        if shard is None or not shard.up:
+        if shard is None or not shard.up or self._key_missing():
             self.counters.add(dropped=1)
             return False
         with self.store.pinned([key], promote=False, account=False) as slots:

@@ -40,6 +40,7 @@ class Sidecar:
             (settings.redis_urls or settings.redis_urls_file)
             and settings.pool_key_required
             and not settings.pool_key
+            and not settings.pool_key_file  # a file's key may come later: the tier waits for it
         ):
             sidecar.redis_refused = (
                 "redis tier off: --pool-key-required and no KVPOOL_POOL_KEY (is the pool's key Secret there?)"

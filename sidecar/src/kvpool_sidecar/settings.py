@@ -37,6 +37,9 @@ class Settings:
     redis_urls_file: Path | None = None
     redis_password: str | None = field(default=None, repr=False)
     pool_key: bytes | None = field(default=None, repr=False)  # authenticates chunks in Redis (see redis_tier)
+    # the same two from files (a mounted Secret, which the kubelet keeps current): re-read while running
+    redis_password_file: Path | None = None
+    pool_key_file: Path | None = None
     pool_key_required: bool = False  # without a key, keep Redis off rather than trust it
     shared_group: bool = False  # every container that uses the arena has this process's group
     keep_arena: bool = False  # leave the arena file at exit (a pod's emptyDir, for the next start)
@@ -94,6 +97,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=default("redis-urls-file", None),
         help="a file with one Redis URL per line, re-read when it changes",
     )
+    for secret, env in (("redis-password", "KVPOOL_REDIS_PASSWORD"), ("pool-key", "KVPOOL_POOL_KEY")):
+        p.add_argument(
+            f"--{secret}-file",
+            type=Path,
+            default=default(f"{secret}-file", None),
+            help=f"read {env} from this file (a mounted Secret) and again whenever it changes; the file wins",
+        )
     p.add_argument(
         "--max-chunk-bytes", type=parse_quantity, default=default("max-chunk-bytes", d.max_chunk_bytes)
     )
@@ -135,7 +145,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--pool-key-required",
         action="store_true",
         default=_env_flag(environ, "pool-key-required"),
-        help="refuse the Redis tier unless KVPOOL_POOL_KEY (the pool's secret, env only) is set",
+        help="keep the Redis tier off while there is no pool key (KVPOOL_POOL_KEY or --pool-key-file)",
     )
     p.add_argument("--log-level", default=default("log-level", d.log_level))
     return p  # fmt: skip
@@ -165,6 +175,8 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         redis_urls_file=ns.redis_urls_file,
         redis_password=_env(environ, "redis-password"),
         pool_key=key.encode() if (key := _env(environ, "pool-key")) else None,
+        redis_password_file=ns.redis_password_file,
+        pool_key_file=ns.pool_key_file,
         pool_key_required=ns.pool_key_required,
         shared_group=ns.shared_group,
         keep_arena=ns.keep_arena,
