@@ -42,7 +42,9 @@ from kubeharness.operatorkit import (
 from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until, write_auth
 from podchecks import assert_injected, sidecar_of, untouched
 
+from kvpool_operator.credentials import checksum
 from kvpool_operator.kube import RBAC
+from kvpool_operator.names import CREDENTIALS_CHECKSUM_ANNOTATION as CHECKSUM
 from kvpool_operator.names import REDIS_PORT
 from kvpool_sidecar.client import SidecarClient
 
@@ -897,6 +899,50 @@ def test_the_shared_tier_follows_the_pools_pods_both_ways_and_drains_before_a_sh
     wait_until(collected, 90, "the pool's objects to be garbage-collected")
 
 
+def test_a_deleted_secret_is_made_again_once_with_the_shards_rolled_and_an_event(operator: tuple) -> None:
+    """The pool's generated Secrets (review D7): never given new values by a reconcile; one deleted is made
+    again within a refresh round, the shards' template carries the new password's checksum (they roll
+    onto it), and a Warning says so. (The sidecars read them from files: tests/sidecar, the last test of
+    test_sidecar_redis.py.)"""
+    cp, _ = operator
+    ns = namespace(cp, "credentials")
+    tier, key = "cache-kvpool-redis", "cache-kvpool-key"
+    apply(cp, cpu_pool(ns, "cache", capacity="16Mi", backend="redis",
+                       redis={"mode": "shared", "replicas": 1, "memory": "32Mi"}))  # fmt: skip
+    statefulset = lambda: get_json(cp, "-n", ns, "statefulset", tier)  # noqa: E731
+    wait_until(
+        lambda: cp.kubectl_result("-n", ns, "get", "statefulset", tier).returncode == 0, 60, "the shards"
+    )
+
+    def values() -> tuple[str, str]:
+        return _secret_password(cp, ns, tier), secret_value(get_json(cp, "-n", ns, "secret", key), "pool-key")
+
+    first = values()
+    cp.kubectl("-n", ns, "patch", "kvp", "cache", "--type=merge", "-p", '{"spec":{"capacity":"24Mi"}}')
+    wait_until(
+        lambda: pool_status(cp, ns, "cache").get("observedGeneration") == 2, 60, "the change reconciled"
+    )
+    assert values() == first  # a reconcile never writes them again (T5)
+    revision = wait_until(lambda: (statefulset().get("status") or {}).get("updateRevision"), 60, "a revision")
+    assert CHECKSUM not in (statefulset()["spec"]["template"]["metadata"].get("annotations") or {})
+
+    cp.kubectl("-n", ns, "delete", "secret", tier, key)  # T4
+    wait_until(lambda: cp.kubectl_result("-n", ns, "get", "secret", tier, key).returncode == 0, 30,
+               "both Secrets made again")  # fmt: skip
+    again = values()
+    assert again[0] != first[0] and again[1] != first[1]
+    annotations = lambda: statefulset()["spec"]["template"]["metadata"].get("annotations") or {}  # noqa: E731
+    wait_until(lambda: CHECKSUM in annotations(), 30, "the shards' template to carry the new password's")
+    assert annotations()[CHECKSUM] == checksum(get_json(cp, "-n", ns, "secret", tier))
+    wait_until(lambda: statefulset()["status"].get("updateRevision") != revision, 60, "the shards rolling")
+    said = wait_until(lambda: get_json(cp, "-n", ns, "events", "--field-selector",
+                                       "reason=CredentialsRecreated")["items"], 30, "the event")  # fmt: skip
+    messages = " ".join(e["message"] for e in said)
+    assert tier in messages and key in messages and all(e["type"] == "Warning" for e in said)
+    assert values() == again  # made once: the rounds since have not made them a third time
+    cp.kubectl("-n", ns, "delete", "kvp", "cache", "--wait=true", "--timeout=60s")
+
+
 def _kubelet_refresh(cp: ControlPlane, ns: str, path: Path) -> None:
     """What the kubelet does for a ConfigMap volume: the pool's shard list, written to the pod's file."""
     path.write_text(get_json(cp, "-n", ns, "configmap", "cache-kvpool")["data"]["redis-urls"])
@@ -904,6 +950,76 @@ def _kubelet_refresh(cp: ControlPlane, ns: str, path: Path) -> None:
 
 def _secret_password(cp: ControlPlane, ns: str, name: str) -> str:
     return secret_value(get_json(cp, "-n", ns, "secret", name), "password")
+
+
+# --- the operator's own metrics ----------------------------------------------------------------------
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The operator's /metrics: each sample's value by (name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_the_operator_serves_its_metrics(operator: tuple) -> None:
+    """The real operator process, scraped on the port the chart gives it: pools reconciled, the webhook's
+    decisions on the API server's calls (one pod injected, one admitted without the cache for a reason)
+    with their latency, a pool's readiness and its unread sidecar, and a shared tier's shards."""
+    cp, op = operator
+    (operator_container,) = operator_pods(cp)[0]["spec"]["containers"]
+    port = next(p["containerPort"] for p in operator_container["ports"] if p["name"] == "metrics")
+    url = f"http://{op.ip}:{port}/metrics"
+    ns = namespace(cp, "metrics")
+    apply(cp, cpu_pool(ns, "llama"),
+          cpu_pool(ns, "cache", selector={"matchLabels": {"app": "none-yet"}}, capacity="16Mi",
+                   backend="redis", redis={"mode": "shared", "replicas": 1, "memory": "32Mi"}))  # fmt: skip
+    for name in ("llama", "cache"):
+        wait_until(
+            lambda n=name: pool_status(cp, ns, n).get("connectorConfig"), 60, f"pool {name} reconciled"
+        )
+    apply(cp, bare_pod(ns, "injected", container("vllm", **VLLM)),
+          bare_pod(ns, "host-network", container("vllm", **VLLM), hostNetwork=True))  # fmt: skip
+    assert sidecar_of(get_json(cp, "-n", ns, "pod", "injected")) is not None
+    wait_until(
+        lambda: condition(get_json(cp, "-n", ns, "pod", "injected"), "Ready") == "True", 60, "the pod Ready"
+    )
+    llama, cache = (("namespace", ns), ("pool", "llama")), (("namespace", ns), ("pool", "cache"))
+
+    def shown() -> dict | None:
+        found = _scrape(url)
+        shard = ("kvpool_operator_pool_shards_ready", cache)
+        failed = ("kvpool_operator_sidecar_scrape_failures_total", llama)
+        # the pool's Ready condition as the metric says it (its sidecar never answers: not Ready)
+        ready = condition(get_json(cp, "-n", ns, "kvp", "llama"), "Ready") == "True"
+        said = found.get(("kvpool_operator_pool_ready", llama)) == (1 if ready else 0)
+        return found if found.get(shard) == 1 and found.get(failed, 0) >= 1 and said else None
+
+    found = wait_until(
+        shown, 60, "the shard ready, the pool's readiness and its unread sidecar in the metrics"
+    )
+    assert found[("kvpool_operator_reconciles_total", (("outcome", "Succeeded"),))] >= 2
+    injected = found[("kvpool_operator_webhook_decisions_total", (("reason", "Injected"),))]
+    skipped = found[("kvpool_operator_webhook_decisions_total", (("reason", "HostNetwork"),))]
+    assert injected >= 1 and skipped >= 1
+    answered = sum(v for (name, _), v in found.items() if name == "kvpool_operator_webhook_decisions_total")
+    assert found[("kvpool_operator_webhook_duration_seconds_count", ())] == answered
+    assert found[("kvpool_operator_webhook_duration_seconds_bucket", (("le", "+Inf"),))] == answered
+    assert found[("kvpool_operator_webhook_duration_seconds_sum", ())] > 0
+    assert found[("kvpool_operator_pool_shards_desired", cache)] == 1
+    assert ("kvpool_operator_pool_shards_desired", llama) not in found  # no shared tier
+    scrapes = found[("kvpool_operator_sidecar_scrapes_total", llama)]
+    assert scrapes >= found[("kvpool_operator_sidecar_scrape_failures_total", llama)]
+    # nothing failed open: the API server's every call was answered by a ready operator
+    assert not [k for k, v in found.items() if k[0] == "kvpool_operator_webhook_fail_open_total" and v]
+    cp.kubectl("-n", ns, "delete", "kvp", "--all", "--wait=false")
 
 
 # --- RBAC, again, and fail-open (last: it stops the operator) ---------------------------------------

@@ -259,24 +259,30 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
     config = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
     assert config["kv_connector_extra_config"]["sidecar_url"] == "http://127.0.0.1:8000"
     sidecar = sidecar_of(result)
-    assert sidecar["args"][-3:] == [
+    assert sidecar["args"][-7:] == [
         "--redis-urls-file",
         "/etc/kvpool/redis/redis-urls",
         "--pool-key-required",
+        "--pool-key-file",
+        "/etc/kvpool/credentials/pool-key",
+        "--redis-password-file",
+        "/etc/kvpool/credentials/redis-password",
     ]
     assert sidecar["args"][sidecar["args"].index("--status-port") + 1] == "8001"
-    assert sidecar["env"] == [
-        {
-            "name": "KVPOOL_POOL_KEY",
-            "valueFrom": {"secretKeyRef": {"name": "cached-kvpool-key", "key": "pool-key", "optional": True}},
+    assert "env" not in sidecar  # files, which the kubelet keeps current when a Secret is made again
+    credentials = {"name": "kvpool-credentials", "mountPath": "/etc/kvpool/credentials", "readOnly": True}
+    assert credentials in sidecar["volumeMounts"]
+    assert {
+        "name": "kvpool-credentials",
+        "projected": {
+            "sources": [
+                {"secret": {"name": "cached-kvpool-key", "optional": True,
+                            "items": [{"key": "pool-key", "path": "pool-key"}]}},
+                {"secret": {"name": "cached-kvpool-redis", "optional": True,
+                            "items": [{"key": "password", "path": "redis-password"}]}},
+            ]
         },
-        {
-            "name": "KVPOOL_REDIS_PASSWORD",
-            "valueFrom": {
-                "secretKeyRef": {"name": "cached-kvpool-redis", "key": "password", "optional": True}
-            },
-        },
-    ]
+    } in result["spec"]["volumes"]  # fmt: skip
     assert {"name": "kvpool-redis-urls", "mountPath": "/etc/kvpool/redis", "readOnly": True} in sidecar[
         "volumeMounts"
     ]
@@ -380,8 +386,7 @@ def test_the_sidecar_parses_what_the_webhook_injects(backend: str) -> None:
     pod = decide(vllm_pod({"app": "solo"}), NS, [pool], OperatorSettings()).pod
     assert pod is not None
     sidecar = sidecar_of(pod)
-    env = {e["name"]: "s3cret" for e in sidecar.get("env", [])}  # what the kubelet fills from the Secret
-    settings = parse_settings(sidecar["args"], environ=env)
+    settings = parse_settings(sidecar["args"], environ={})
     assert (settings.host, settings.port, settings.status_port) == ("127.0.0.1", 9100, 9101)
     assert settings.capacity == int(1.5 * 2**30)
     assert str(settings.arena_dir) == "/var/run/kvpool" and settings.shared_group
@@ -390,11 +395,12 @@ def test_the_sidecar_parses_what_the_webhook_injects(backend: str) -> None:
     assert pod["spec"]["securityContext"]["supplementalGroups"] == [65532]
     if backend == "redis":
         assert str(settings.redis_urls_file) == "/etc/kvpool/redis/redis-urls"
-        assert settings.redis_password == "s3cret" and settings.pool_key == b"s3cret"
+        assert str(settings.redis_password_file) == "/etc/kvpool/credentials/redis-password"
+        assert str(settings.pool_key_file) == "/etc/kvpool/credentials/pool-key"
         assert settings.pool_key_required
     else:
-        assert settings.redis_urls_file is None and settings.redis_password is None
-        assert settings.pool_key is None and not settings.pool_key_required
+        assert settings.redis_urls_file is None and settings.redis_password_file is None
+        assert settings.pool_key_file is None and not settings.pool_key_required
 
 
 def test_the_arena_group_joins_the_pods_own_groups_once() -> None:

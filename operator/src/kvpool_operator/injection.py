@@ -273,27 +273,15 @@ def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bo
         "--keep-arena",  # a restarted sidecar reuses the emptyDir's file: its memory is not held twice
     ]  # fmt: skip
     mounts: list[dict[str, Any]] = [{"name": names.ARENA_VOLUME, "mountPath": names.ARENA_DIR}]
-    env: list[dict[str, Any]] = []
     if pool.redis is not None:
-        args += ["--redis-urls-file", f"{names.REDIS_URLS_DIR}/{names.REDIS_URLS_KEY}", "--pool-key-required"]
-        # optional: a pod admitted before the operator made the Secret still starts (its Redis tier
-        # stays off, and /readyz says why) rather than waiting on a cache
-        key_ref: dict[str, Any] = {
-            "name": names.pool_key_secret(pool.name),
-            "key": names.POOL_KEY_KEY,
-            "optional": True,
-        }
-        env.append({"name": "KVPOOL_POOL_KEY", "valueFrom": {"secretKeyRef": key_ref}})
+        args += ["--redis-urls-file", f"{names.REDIS_URLS_DIR}/{names.REDIS_URLS_KEY}", "--pool-key-required",
+                 "--pool-key-file", f"{names.CREDENTIALS_DIR}/{names.POOL_KEY_FILE}"]  # fmt: skip
+        if password_secret(pool) is not None:
+            args += ["--redis-password-file", f"{names.CREDENTIALS_DIR}/{names.REDIS_PASSWORD_FILE}"]
         mounts.append({"name": names.REDIS_URLS_VOLUME, "mountPath": names.REDIS_URLS_DIR, "readOnly": True})
-        secret = password_secret(pool)
-        if secret is not None:
-            env.append(
-                {
-                    "name": "KVPOOL_REDIS_PASSWORD",
-                    # optional, as the pool key: a missing Secret turns the Redis tier off, not the pod
-                    "valueFrom": {"secretKeyRef": {"name": secret[0], "key": secret[1], "optional": True}},
-                }
-            )
+        mounts.append(
+            {"name": names.CREDENTIALS_VOLUME, "mountPath": names.CREDENTIALS_DIR, "readOnly": True}
+        )
     probe_port = pool.status_port
     container: dict[str, Any] = {
         "name": names.SIDECAR_CONTAINER,
@@ -309,8 +297,6 @@ def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bo
         "livenessProbe": _probe("/healthz", probe_port, period=10, failures=6),
         "securityContext": {**copy.deepcopy(RESTRICTED), "runAsGroup": names.ARENA_GROUP},
     }
-    if env:
-        container["env"] = env
     if not settings.legacy_sidecar:
         container["restartPolicy"] = "Always"
     return container
@@ -349,7 +335,21 @@ def pod_volumes(pool: Pool, staged: bool = True) -> list[dict[str, Any]]:
                 },
             }
         )
+        volumes.append({"name": names.CREDENTIALS_VOLUME, "projected": {"sources": credential_sources(pool)}})
     return volumes
+
+
+def credential_sources(pool: Pool) -> list[dict[str, Any]]:
+    """The pool key and the Redis password as files. Optional, both: a pod admitted before the
+    operator made the key's Secret still starts, with its Redis tier off until the file appears (the
+    kubelet adds it), and a missing password Secret turns the Redis tier off, not the pod."""
+    wanted = [(names.pool_key_secret(pool.name), names.POOL_KEY_KEY, names.POOL_KEY_FILE)]
+    if (secret := password_secret(pool)) is not None:
+        wanted.append((*secret, names.REDIS_PASSWORD_FILE))
+    return [
+        {"secret": {"name": name, "optional": True, "items": [{"key": key, "path": path}]}}
+        for name, key, path in wanted
+    ]
 
 
 def arena_size_limit(pool: Pool) -> str:

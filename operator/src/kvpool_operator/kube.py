@@ -202,14 +202,16 @@ class Kube:
                 raise
         return await self.patch(kind, namespace, body["metadata"]["name"], body)
 
-    async def create_once(self, kind: str, namespace: str, body: Mapping[str, Any]) -> None:
-        """Creates the object unless it exists; an existing one is kept as it is and never read (a
-        generated Secret: the operator may create Secrets, not read them)."""
+    async def create_once(self, kind: str, namespace: str, body: Mapping[str, Any]) -> bool:
+        """Creates the object unless it exists (True: made now); an existing one is kept as it is and
+        never read (a generated Secret: the operator may create Secrets, not read them)."""
         try:
             await self.create(kind, namespace, body)
         except ApiError as e:
             if e.status != 409:
                 raise
+            return False
+        return True
 
     async def list_pods(self, namespace: str, selector: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Pods the selector picks; the API server filters, and so do we (a proxy or mock may not)."""

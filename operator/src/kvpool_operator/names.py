@@ -33,6 +33,12 @@ CONNECTOR_STAGING_DIR = "/mnt/kvpool-connector"  # the volume, in the init conta
 CONNECTOR_ANNOTATION = "kvpool.dev/connector"  # "image": the vLLM image has the connector; stage none
 REDIS_URLS_VOLUME = "kvpool-redis-urls"
 REDIS_URLS_DIR = "/etc/kvpool/redis"
+# the pool key and the Redis password, as files of a projected volume of the Secrets: the kubelet
+# rewrites them when a Secret is made again, and the sidecar reads them again (env would stay old)
+CREDENTIALS_VOLUME = "kvpool-credentials"
+CREDENTIALS_DIR = "/etc/kvpool/credentials"
+POOL_KEY_FILE = "pool-key"
+REDIS_PASSWORD_FILE = "redis-password"
 KV_TRANSFER_FLAG = "--kv-transfer-config"
 
 # owned objects
@@ -46,6 +52,8 @@ POOL_KEY_KEY = "pool-key"  # the Secret key of the pool's chunk-authentication s
 LAST_SCALE_ANNOTATION = "kvpool.dev/last-scale-time"  # on the shared tier's StatefulSet
 DRAIN_SINCE_ANNOTATION = "kvpool.dev/drain-since"  # when its shrink began waiting on the sidecars
 DRAIN_GAVE_UP_ANNOTATION = "kvpool.dev/drain-gave-up"  # why its last shrink stopped shards undrained
+# on the shards' pod template: the checksum of a password made again, so that they restart with it
+CREDENTIALS_CHECKSUM_ANNOTATION = "kvpool.dev/credentials-checksum"
 REDIS_PORT = 6379
 # The shard user the operator reads INFO memory as: no password, no access to data, so the operator
 # never reads the shards' password Secret (it may create Secrets, never read them).

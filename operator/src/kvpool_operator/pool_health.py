@@ -26,7 +26,7 @@ from kvpool_operator.vllm_breaker import RESET_ANNOTATION
 # what a sidecar's tiers.redis.reason says when Redis refuses it rather than not answering
 AUTH_REFUSED = re.compile(
     r"AuthenticationError|WRONGPASS|NOAUTH|Authentication required|invalid username-password|"
-    r"invalid password|no KVPOOL_POOL_KEY",
+    r"invalid password|no KVPOOL_POOL_KEY|no pool key",
     re.IGNORECASE,
 )
 NAMED_PODS = 3  # pods named in a message

@@ -8,7 +8,7 @@ from typing import Any
 
 import kopf
 
-from kvpool_operator import conditions, events, names, objects, pods, shards
+from kvpool_operator import conditions, credentials, events, names, objects, pods, shards
 from kvpool_operator.connector_config import config_hash, kv_transfer_config, render
 from kvpool_operator.kube import RETRY_DELAY, ApiError
 from kvpool_operator.outdated import outdated
@@ -56,8 +56,7 @@ async def reconcile(
     owner = objects.owner_reference(body)
     try:
         urls: list[str] | None = None
-        if pool.redis is not None:
-            await kube.create_once("Secret", namespace, objects.pool_key_secret(pool, owner))
+        await credentials.ensure(kube, pool, owner)
         if pool.shared_tier:
             urls = await shards.start(kube, pool, owner)
         elif pool.redis is not None:

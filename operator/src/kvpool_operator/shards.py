@@ -70,11 +70,10 @@ async def _unpublish(kube: Kube, pool: Pool, published: int | None, keep: int) -
 
 
 async def start(kube: Kube, pool: Pool, owner: Mapping[str, Any]) -> list[str]:
-    """Runs the tier (its Secret, Service and StatefulSet) and returns the shard URLs the sidecars are
-    to be told. It never stops a shard: a smaller count is unpublished here, and the StatefulSet
-    shrunk by `scale` once every sidecar has stopped using the shards that go."""
+    """Runs the tier (its Service and StatefulSet; credentials.py makes its Secret) and returns the
+    shard URLs the sidecars are to be told. It never stops a shard: a smaller count is unpublished
+    here, and the StatefulSet shrunk by `scale` once every sidecar has stopped using the shards that go."""
     ns, name = pool.namespace, names.redis_name(pool.name)
-    await kube.create_once("Secret", ns, objects.password_secret(pool, owner))
     await kube.ensure("Service", ns, objects.redis_service(pool, owner))
     sts = await kube.get("StatefulSet", ns, name)
     current = (sts or {}).get("spec", {}).get("replicas")
