@@ -64,6 +64,11 @@ def parser() -> argparse.ArgumentParser:
         help="where to answer 200 once the webhook knows the pools (empty: nowhere)",
     )
     p.add_argument(
+        "--metrics",
+        default=_env("metrics", "http://0.0.0.0:8082/metrics"),
+        help="where to serve Prometheus metrics, kvpool_operator_* (empty: nowhere)",
+    )
+    p.add_argument(
         "--peering-lifetime",
         type=int,
         default=str(_env("peering-lifetime", 30)),
@@ -150,6 +155,7 @@ def build(argv: Sequence[str] | None = None, memory_source: MemorySource | None 
         namespaces=tuple(namespaces),
         readiness=args.readiness or "",
         liveness=args.liveness or "",
+        metrics=args.metrics or "",
     )
     registry = kopf.OperatorRegistry()
     register(registry, ours)

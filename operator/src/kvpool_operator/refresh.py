@@ -7,7 +7,7 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-from kvpool_operator import conditions, events, pods, pool_health, shards, vllm_breaker
+from kvpool_operator import conditions, events, metrics, pods, pool_health, shards, vllm_breaker
 from kvpool_operator.injection import sidecar_image
 from kvpool_operator.kube import Kube
 from kvpool_operator.outdated import outdated
@@ -26,8 +26,10 @@ async def refresh(body: Mapping[str, Any], memo: OperatorState) -> dict[str, Any
     try:
         pool = parse_pool(namespace, name, spec, meta.get("uid"))
     except ValueError:
+        metrics.pool_refreshed(namespace, name, False, 0, 0, None)
         return {}  # reconcile reports it
     if problems(pool):
+        metrics.pool_refreshed(namespace, name, False, 0, 0, None)
         return {}
     now = datetime.datetime.now(datetime.UTC)
     generation = meta.get("generation")
@@ -58,6 +60,7 @@ async def refresh(body: Mapping[str, Any], memo: OperatorState) -> dict[str, Any
         vllm_breaker=failing,
     )
     ready, degraded = pool_health.assess(seen)
+    metrics.pool_refreshed(namespace, name, ready.status, len(urls), len(urls) - len(scraped), tier)
     found_status = {
         "matchedPods": counts.matched,
         "readyPods": counts.ready,

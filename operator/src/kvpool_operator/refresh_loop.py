@@ -9,6 +9,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from kvpool_operator import metrics
 from kvpool_operator.kube import ApiError
 from kvpool_operator.leading import Peering, leading
 from kvpool_operator.refresh import refresh
@@ -31,7 +32,9 @@ async def run(memo: OperatorState) -> None:
             return "" if peering.clusterwide else _namespace(body)
 
         acting = {s for s in {scope(b) for b in bodies} if await _leading(memo, peering, s)}
-        await asyncio.gather(*(_one(memo, b) for b in bodies if scope(b) in acting))
+        ours = [b for b in bodies if scope(b) in acting]
+        metrics.keep_pools((_namespace(b), (b.get("metadata") or {}).get("name") or "") for b in ours)
+        await asyncio.gather(*(_one(memo, b) for b in ours))
         spent = asyncio.get_running_loop().time() - started
         await asyncio.sleep(max(0.0, memo.settings.stats_interval - spent))
 
@@ -55,9 +58,12 @@ async def _one(memo: OperatorState, body: Mapping[str, Any]) -> None:
         changed = await refresh(body, memo)
         if changed:
             await memo.kube.patch_status("KVCachePool", meta["namespace"], meta["name"], changed)
+        metrics.REFRESHES.labels(outcome="Succeeded").inc()
     except (ApiError, OSError, TimeoutError) as e:
         if isinstance(e, ApiError) and e.status == 404:
             return  # deleted meanwhile
+        metrics.REFRESHES.labels(outcome="Error").inc()
         log.warning("%s refresh failed (%s); again in %ss", where, e, memo.settings.stats_interval)
     except Exception:
+        metrics.REFRESHES.labels(outcome="Error").inc()
         log.exception("%s refresh failed; again next round", where)

@@ -20,3 +20,4 @@ class OperatorSettings:
     namespaces: tuple[str, ...] = ()  # the watched namespaces; empty: all
     readiness: str = ""  # where /readyz is served (http://host:port/path); empty: nowhere
     liveness: str = ""  # where /healthz is served; empty: nowhere
+    metrics: str = ""  # where Prometheus /metrics is served (metrics.py); empty: nowhere

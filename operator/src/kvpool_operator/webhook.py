@@ -60,8 +60,9 @@ async def inject(
     memo: OperatorState,
     pools: Iterable[Pool],
     dryrun: bool = False,
-) -> None:
-    """Sets the patch to the injected pod when exactly one usable pool claims it.
+) -> str:
+    """Sets the patch to the injected pod when exactly one usable pool claims it; returns the
+    decision's reason (Injected, NotClaimed, or why the pod is admitted without the cache).
 
     The handler around it turns any exception into an untouched admission (fail open).
     """
@@ -88,6 +89,9 @@ async def inject(
     if decision.skip is not None and not dryrun:
         for pool in decision.pools:  # counted per (pool, reason, owner), written after the answer
             memo.skip_events.record(pool, decision.skip, pod)
+    if decision.skip is not None:
+        return decision.skip.reason
+    return "Injected" if decision.pod is not None else "NotClaimed"
 
 
 async def namespace_limits(kube: Kube, namespace: str) -> NamespaceLimits | Skip:
