@@ -28,7 +28,7 @@ stamp_of() { cat "$@" scripts/bootstrap.sh 2>/dev/null | sha256sum | cut -d' ' -
 
 # Debian packages: redis-server always (the demo and the tests start their own); for the tests also
 # podman, runc and mmdebstrap (the images are built with podman from a Debian base) and containerd
-# (the real node's runtime).
+# (the real node's runtime), and promtool (prometheus) that checks the chart's alerting rules.
 ensure_debian_packages() {
   local missing=() cmd pkg
   for pair in "$@"; do
@@ -75,7 +75,7 @@ ensure_latest_venv() {
 
 if [ "${1:-}" = "--for-tests" ]; then
   ensure_debian_packages redis-server:redis-server podman:podman runc:runc mmdebstrap:mmdebstrap \
-    openssl:openssl containerd:containerd
+    openssl:openssl containerd:containerd promtool:prometheus
   ensure_main_venv
   ensure_latest_venv
   # helm and kubectl (.tools/bin), the real control plane the apiserver tier runs (.tools/k8s/bin)

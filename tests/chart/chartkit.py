@@ -20,7 +20,11 @@ def run_helm(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
 
 
 # What `helm template` offers a chart that asks for optional APIs: a cluster with the Prometheus Operator.
-API_VERSIONS = ["--api-versions", "monitoring.coreos.com/v1/PodMonitor"]
+API_VERSIONS = [
+    "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
+    "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
+    "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
+]  # fmt: skip
 
 
 def kube_version(values_file: Path | None) -> list[str]:

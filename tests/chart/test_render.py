@@ -30,7 +30,8 @@ VALUES = [None, *EXAMPLE_VALUES]
 VALUE_IDS = ["defaults", *(p.name for p in EXAMPLE_VALUES)]
 KUBERNETES_VERSIONS = ["1.28.0", "1.37.0"]  # Chart.yaml's kubeVersion floor, and the newest known
 # Kinds kubernetes-validate has no schema for; each is checked below by other means.
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor", "Certificate", "Issuer"}
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor", "ServiceMonitor", "PrometheusRule",
+                "Certificate", "Issuer"}  # fmt: skip
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
