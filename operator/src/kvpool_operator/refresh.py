@@ -7,7 +7,17 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-from kvpool_operator import conditions, events, metrics, pods, pool_health, shards, vllm_breaker
+from kvpool_operator import (
+    conditions,
+    credentials,
+    events,
+    metrics,
+    objects,
+    pods,
+    pool_health,
+    shards,
+    vllm_breaker,
+)
 from kvpool_operator.injection import sidecar_image
 from kvpool_operator.kube import Kube
 from kvpool_operator.outdated import outdated
@@ -33,6 +43,7 @@ async def refresh(body: Mapping[str, Any], memo: OperatorState) -> dict[str, Any
         return {}
     now = datetime.datetime.now(datetime.UTC)
     generation = meta.get("generation")
+    await credentials.ensure(kube, pool, objects.owner_reference(body))  # one deleted is made again now
     found = await kube.list_pods(namespace, pool.selector)
     counts = pods.count(found, name, lambda p: outdated(p, pool, settings))
     urls = [u for p in found if pods.injected_by(p, name) and pods.is_ready(p) and (u := pods.stats_url(p))]
