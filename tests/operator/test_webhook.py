@@ -416,3 +416,15 @@ def test_the_arena_group_joins_the_pods_own_groups_once() -> None:
     }
     twice = decide(once, NS, [pool], OperatorSettings()).pod
     assert twice is not None and twice["spec"]["securityContext"] == once["spec"]["securityContext"]
+
+
+@pytest.mark.parametrize("redis", [{"mode": "shared"}, {"mode": "external", "url": "redis://r:6379"}])
+def test_a_redis_pool_injects_a_pod_again_to_the_same_pod(redis: dict[str, Any]) -> None:
+    """The API server calls the webhook again (reinvocationPolicy IfNeeded): every volume kvpool adds,
+    the credentials' included, is replaced, not added twice (a duplicate volume gets the pod refused)."""
+    pool = parse_pool(
+        NS, "solo", {"selector": {"matchLabels": {"app": "solo"}}, "backend": "redis", "redis": redis}
+    )
+    once = decide(vllm_pod({"app": "solo"}), NS, [pool], OperatorSettings()).pod
+    assert once is not None
+    assert decide(once, NS, [pool], OperatorSettings()).pod == once

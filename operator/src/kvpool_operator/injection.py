@@ -181,7 +181,7 @@ def remove_injection(pod: Mapping[str, Any]) -> dict[str, Any]:
     which inject() adds only when absent)."""
     result = copy.deepcopy(dict(pod))
     spec = result.get("spec") or {}
-    ours = {names.ARENA_VOLUME, names.REDIS_URLS_VOLUME, names.CONNECTOR_VOLUME}
+    ours = {names.ARENA_VOLUME, names.REDIS_URLS_VOLUME, names.CONNECTOR_VOLUME, names.CREDENTIALS_VOLUME}
     for key in ("containers", "initContainers"):
         if key in spec:
             spec[key] = [c for c in spec[key] if c.get("name") not in OUR_CONTAINERS]
