@@ -19,11 +19,13 @@ def run_helm(*args: str, stdin: str | None = None) -> subprocess.CompletedProces
     return subprocess.run([str(HELM), *args], capture_output=True, text=True, input=stdin, cwd=REPO)
 
 
-# What `helm template` offers a chart that asks for optional APIs: a cluster with the Prometheus Operator.
+# What `helm template` offers a chart that asks for optional APIs: a cluster with the Prometheus Operator
+# and cert-manager.
 API_VERSIONS = [
     "--api-versions", "monitoring.coreos.com/v1/PodMonitor",
     "--api-versions", "monitoring.coreos.com/v1/ServiceMonitor",
     "--api-versions", "monitoring.coreos.com/v1/PrometheusRule",
+    "--api-versions", "cert-manager.io/v1",  # the chart refuses cert-manager where the cluster has none
 ]  # fmt: skip
 
 
