@@ -14,13 +14,14 @@ import concurrent.futures
 import contextlib
 import json
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubeharness.controlplane import ControlPlane, get_json
+from kubeharness.controlplane import ControlPlane, get_json, kubectl_binary
 from kubeharness.kubelet import CUSTOM_STATUS
 from kubeharness.objects import condition, pool_manifest, secret_value
 from kubeharness.operatorkit import (
@@ -533,14 +534,17 @@ def test_missing_objects_and_an_unreachable_redis_keep_no_pod_from_starting(
     pod = get_json(cp, "-n", ns, "pod", "vllm")
     sidecar = sidecar_of(pod)
     assert "startupProbe" not in sidecar and "readinessProbe" not in sidecar
-    assert all(e["valueFrom"]["secretKeyRef"]["optional"] for e in sidecar["env"])
     (urls,) = [v for v in pod["spec"]["volumes"] if "configMap" in v]
     assert urls["configMap"]["optional"] is True
+    (credentials,) = [v for v in pod["spec"]["volumes"] if v["name"] == "kvpool-credentials"]
+    assert all(source["secret"]["optional"] for source in credentials["projected"]["sources"])
     port, status_port = free_port(), free_port()
     args = _replaced(
         sidecar["args"],
         {"--port": str(port), "--status-port": str(status_port), "--arena-dir": str(tmp_path / "arena"),
-         "--redis-urls-file": str(tmp_path / "no-configmap" / "redis-urls")},
+         "--redis-urls-file": str(tmp_path / "no-configmap" / "redis-urls"),
+         "--pool-key-file": str(tmp_path / "no-secret" / "pool-key"),
+         "--redis-password-file": str(tmp_path / "no-secret" / "redis-password")},
     )  # fmt: skip
     proc = start_sidecar(tmp_path, "64Mi", [], *args, port=port)
     try:
@@ -789,6 +793,67 @@ def test_kubectl_wait_for_ready_times_out_on_every_broken_pool_and_succeeds_on_a
     assert healthy.returncode == 0 and "condition met" in healthy.stdout, healthy.stderr
     for ns, result in results.items():
         assert result.returncode != 0 and "timed out" in result.stderr, (ns, result.stdout, result.stderr)
+
+
+def kvpool_doctor(cp: ControlPlane, *args: str) -> tuple[int, str]:
+    """The `kvpool doctor` command, as a person runs it: their kubectl, their kubeconfig."""
+    kubectl = f"{kubectl_binary()} --kubeconfig {cp.kubeconfig}"
+    command = [str(Path(sys.executable).parent / "kvpool"), "doctor", *args, "--kubectl", kubectl]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_kvpool_doctor_names_what_is_wrong_with_each_broken_pool_and_how_to_fix_it(operator: tuple) -> None:
+    """`kvpool doctor` (#21 item 6) against the review's broken setups: each gets a non-zero exit and its
+    fix; the healthy pool gets 0. Its probe pod is a server-side dry run: it goes through the webhook,
+    LimitRanger and the quota as the pool's next pod would, and nothing is stored."""
+    cp, _ = operator
+    fixes = {
+        "vllm-not-opted-in": "kubectl label namespace vllm-not-opted-in kvpool.dev/injection=enabled",
+        "vllm-limits": "raise the LimitRange by the sidecar's share",
+        QUOTA_NAMESPACE: "lift the quota or policy",
+        "vllm-no-secret": "create the Secret the pool names",
+        "vllm-redis-down": "fix spec.redis.url",
+        "vllm-cache-off": 'annotate its pods kvpool.dev/inject: "false"',
+        "vllm-crash": "kvpool.dev/reset-breaker",
+    }
+    assert set(fixes) == set(BROKEN)
+    code, said = kvpool_doctor(cp, "vllm-healthy")
+    assert code == 0 and "every pool looked at can serve" in said, said
+    for ns, fix in fixes.items():
+        code, said = kvpool_doctor(cp, ns)
+        assert code == 1 and f"✗ {ns}" in said and fix in said, (ns, said)
+    assert (
+        cp.kubectl("-n", "vllm-healthy", "get", "pods", "-o", "name").count("kvpool-doctor") == 0
+    )  # a dry run
+
+    # two pools over the same pods; a second release whose webhook has no operator behind it, sent the
+    # pods of that namespace and of one only it selects
+    ns = namespace(cp, "doctor-overlap", {"doctor": "overlap"})
+    apply(cp, cpu_pool(ns, "one"), cpu_pool(ns, "two"), bare_pod(ns, "vllm", container("vllm", **VLLM)))
+    dead = namespace(cp, "doctor-dead", {"doctor": "dead"}, opt_in=False)
+    apply(cp, cpu_pool(dead))
+    (other,) = get_json(cp, "mutatingwebhookconfiguration", "-l", f"app.kubernetes.io/instance={RELEASE}")[
+        "items"
+    ]
+    ours = other["metadata"]["name"]
+    other["metadata"] = {"name": "other-kvpool"}
+    other["webhooks"][0]["namespaceSelector"] = {
+        "matchExpressions": [{"key": "doctor", "operator": "Exists"}]
+    }
+    other["webhooks"][0]["clientConfig"]["service"] = {"namespace": dead, "name": "nobody", "port": 443}
+    apply(cp, other)
+    try:
+        (code, said), (dead_code, dead_said) = kvpool_doctor(cp, ns), kvpool_doctor(cp, dead)
+    finally:
+        cp.kubectl("delete", "mutatingwebhookconfiguration", "other-kvpool")
+    assert code == 1
+    assert "it and pool two both select 1 pod(s) (vllm)" in said and "selectors disjoint" in said, said
+    releases = f"2 kvpool releases send this namespace's pods to their webhooks ({ours}, other-kvpool)"
+    assert releases in said and "nobody" not in said, said  # kvpool's own webhook answered its probe
+    assert (
+        dead_code == 1 and f"✗ webhook other-kvpool: Service {dead}/nobody has no ready endpoint" in dead_said
+    )
 
 
 def test_a_person_clears_the_vllm_breaker_with_an_annotation(operator: tuple) -> None:

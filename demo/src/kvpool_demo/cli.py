@@ -124,8 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("stats", help="print a sidecar's /stats")
     s.add_argument("url", nargs="?", default="http://127.0.0.1:7070")
     s.set_defaults(func=stats)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    sub.add_parser(
+        "doctor", help="what keeps this cluster's pools from serving, and how to fix it", add_help=False
+    )
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "doctor":
+        from kvpool_operator import doctor
+
+        return doctor.main(rest)
+    return args.func(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
