@@ -28,17 +28,16 @@ from kubeharness.operatorkit import (
     RELEASE,
     RELEASE_NAMESPACE,
     LocalOperator,
+    all_ready,
     apply,
     forbidden_calls,
-    helm,
     namespace,
+    one_replica_release,
     operator_pods,
+    pods_of,
     pool_ready,
     pool_status,
-    restricted_pod_spec,
-    running,
-    start_operator_as,
-    webhook_routed,
+    restricted_deployment,
 )
 from kvtest import REPO, Proc, free_port, redis_with, start_sidecar, wait_until, write_auth
 from podchecks import assert_injected, sidecar_of, untouched
@@ -58,28 +57,9 @@ def operator(
 ) -> Iterator[tuple[ControlPlane, LocalOperator]]:
     cp = crd_installed
     # one replica, played by one local process (two replicas: test_ha_apiserver.py)
-    helm(cp, "install", RELEASE, str(REPO / "charts" / "kvpool"), "--namespace", RELEASE_NAMESPACE,
-         "--create-namespace", "--wait", "--timeout", "3m",
-         "--set", "operator.statsIntervalSeconds=1", "--set", "operator.scaleCooldownSeconds=0",
-         "--set", "replicaCount=1")  # fmt: skip
-    (pod,) = wait_until(lambda: [p for p in operator_pods(cp) if running(p)], 60, "the operator's pod to run")
-    op = start_operator_as(cp, pod, tmp_path_factory.mktemp("operator"))
-    wait_until(lambda: webhook_routed(cp), 60, "the API server's route to the webhook")
-    try:
+    values = ("operator.statsIntervalSeconds=1", "operator.scaleCooldownSeconds=0")
+    with one_replica_release(cp, tmp_path_factory.mktemp("operator"), *values) as op:
         yield cp, op
-    finally:
-        op.proc.stop()
-        helm(
-            cp,
-            "uninstall",
-            RELEASE,
-            "--namespace",
-            RELEASE_NAMESPACE,
-            "--wait",
-            "--timeout",
-            "1m",
-            check=False,
-        )
 
 
 def cpu_pool(ns: str, name: str = "llama", **spec: Any) -> dict[str, Any]:
@@ -90,36 +70,6 @@ def cpu_pool(ns: str, name: str = "llama", **spec: Any) -> dict[str, Any]:
         "vllmContainer": "vllm",
     }
     return pool_manifest(ns, name, {**base, **spec})
-
-
-def restricted_deployment(ns: str, replicas: int = 2, name: str = "vllm") -> dict[str, Any]:
-    """A vLLM Deployment that Pod Security `restricted` admits."""
-    resources = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
-    spec = restricted_pod_spec(
-        command=["vllm", "serve"], args=["/models/llama", "--port", "8000"], resources=resources
-    )
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app": "vllm"}},
-            "template": {"metadata": {"labels": {"app": "vllm"}}, "spec": spec},
-        },
-    }
-
-
-def pods_of(cp: ControlPlane, ns: str, selector: str = "app=vllm") -> list[dict[str, Any]]:
-    items = get_json(cp, "-n", ns, "pods", "-l", selector)["items"]
-    return sorted(
-        (p for p in items if not p["metadata"].get("deletionTimestamp")), key=lambda p: p["metadata"]["name"]
-    )
-
-
-def all_ready(pods: list[dict[str, Any]], n: int) -> list[dict[str, Any]] | None:
-    ready = [p for p in pods if running(p) and condition(p, "Ready") == "True"]
-    return ready if len(ready) == n else None
 
 
 # The namespaces whose pool "llama" a test below left broken, for kubectl wait to time out on

@@ -6,10 +6,12 @@ webhook certificate from the chart's Secret, and serves on the pod's IP."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,33 @@ def webhook_routed(cp: ControlPlane, release: str = RELEASE, namespace: str = RE
     service network, as its admission calls go): until then a pod is admitted uninjected (failing open)."""
     svc = cp.get(f"/api/v1/namespaces/{namespace}/services/{release}-webhook")
     return bool(svc) and cp.network.resolve(f"{svc['spec']['clusterIP']}:443") is not None
+
+
+@contextlib.contextmanager
+def one_replica_release(cp: ControlPlane, workdir: Path, *values: str) -> Iterator[LocalOperator]:
+    """The chart installed (one replica, `values` as `--set`s) and its pod played by a local process;
+    uninstalled at the end."""
+    sets = [arg for value in ("replicaCount=1", *values) for arg in ("--set", value)]
+    helm(cp, "install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE, "--create-namespace",
+         "--wait", "--timeout", "3m", *sets)  # fmt: skip
+    (pod,) = wait_until(lambda: [p for p in operator_pods(cp) if running(p)], 60, "the operator's pod to run")
+    op = start_operator_as(cp, pod, workdir)
+    wait_until(lambda: webhook_routed(cp), 60, "the API server's route to the webhook")
+    try:
+        yield op
+    finally:
+        op.proc.stop()
+        helm(
+            cp,
+            "uninstall",
+            RELEASE,
+            "--namespace",
+            RELEASE_NAMESPACE,
+            "--wait",
+            "--timeout",
+            "1m",
+            check=False,
+        )
 
 
 def start_operator_as(cp: ControlPlane, pod: dict[str, Any], workdir: Path) -> LocalOperator:
@@ -136,6 +165,36 @@ def restricted_pod_spec(**vllm: Any) -> dict[str, Any]:
             **vllm,
         }],
     }  # fmt: skip
+
+
+def restricted_deployment(ns: str, replicas: int = 2, name: str = "vllm") -> dict[str, Any]:
+    """A vLLM Deployment that Pod Security `restricted` admits."""
+    resources = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
+    spec = restricted_pod_spec(
+        command=["vllm", "serve"], args=["/models/llama", "--port", "8000"], resources=resources
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "template": {"metadata": {"labels": {"app": "vllm"}}, "spec": spec},
+        },
+    }
+
+
+def pods_of(cp: ControlPlane, ns: str, selector: str = "app=vllm") -> list[dict[str, Any]]:
+    items = get_json(cp, "-n", ns, "pods", "-l", selector)["items"]
+    return sorted(
+        (p for p in items if not p["metadata"].get("deletionTimestamp")), key=lambda p: p["metadata"]["name"]
+    )
+
+
+def all_ready(pods: list[dict[str, Any]], n: int) -> list[dict[str, Any]] | None:
+    ready = [p for p in pods if running(p) and condition(p, "Ready") == "True"]
+    return ready if len(ready) == n else None
 
 
 def pool_ready(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any] | None:

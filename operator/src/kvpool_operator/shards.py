@@ -43,7 +43,7 @@ def undrained(stats: list[dict[str, Any]], expected: int, shards: int) -> str:
     silent = max(0, expected - len(using))
     behind = sum(1 for n in using if not (isinstance(n, int) and n <= shards))
     why = [f"{silent} of {expected} sidecar(s) did not answer"] if silent else []
-    why += [f"{behind} still use(s) more than {shards} shard(s)"] if behind else []
+    why += [f"{behind} sidecar(s) still use more than {shards} shard(s)"] if behind else []
     return "; ".join(why)
 
 
