@@ -130,7 +130,9 @@ def test_a_shard_stops_only_once_every_sidecar_has_stopped_using_it() -> None:
         return {"tiers": {"redis": {"shards": n}}} if n is not None else {}
 
     assert undrained([using(2), using(2)], expected=2, shards=2) == ""
-    assert undrained([using(2), using(3)], expected=2, shards=2) == "1 sidecar(s) still use more than 2 shard(s)"
+    assert (
+        undrained([using(2), using(3)], expected=2, shards=2) == "1 sidecar(s) still use more than 2 shard(s)"
+    )
     assert undrained([using(2)], expected=2, shards=2) == "1 of 2 sidecar(s) did not answer"  # unknown
     assert undrained([using(2), using(None)], expected=2, shards=2)  # one has no Redis tier configured
     assert undrained([], expected=0, shards=1) == ""  # no pods: nothing uses any shard

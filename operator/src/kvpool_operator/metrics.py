@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import urllib.parse
 from collections.abc import Iterable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import (
@@ -67,36 +68,21 @@ FAIL_OPEN = Counter(
     ["reason"],
     registry=REGISTRY,
 )
-SCRAPES = Counter(
-    PREFIX + "sidecar_scrapes",
-    "Sidecar /stats reads by the pool refresh",
-    ["namespace", "pool"],
-    registry=REGISTRY,
-)
-SCRAPE_FAILURES = Counter(
-    PREFIX + "sidecar_scrape_failures",
+
+
+def _per_pool(kind: type[Counter] | type[Gauge], name: str, doc: str) -> Any:
+    return kind(PREFIX + name, doc, ["namespace", "pool"], registry=REGISTRY)
+
+
+SCRAPES = _per_pool(Counter, "sidecar_scrapes", "Sidecar /stats reads by the pool refresh")
+SCRAPE_FAILURES = _per_pool(
+    Counter,
+    "sidecar_scrape_failures",
     "Sidecar /stats reads that failed (no answer in time, not 200, not JSON)",
-    ["namespace", "pool"],
-    registry=REGISTRY,
 )
-POOL_READY = Gauge(
-    PREFIX + "pool_ready",
-    "1 when the pool's Ready condition is True",
-    ["namespace", "pool"],
-    registry=REGISTRY,
-)
-SHARDS_DESIRED = Gauge(
-    PREFIX + "pool_shards_desired",
-    "Shards the pool's shared Redis tier should run",
-    ["namespace", "pool"],
-    registry=REGISTRY,
-)
-SHARDS_READY = Gauge(
-    PREFIX + "pool_shards_ready",
-    "Shards of the pool's shared Redis tier that are ready",
-    ["namespace", "pool"],
-    registry=REGISTRY,
-)
+POOL_READY = _per_pool(Gauge, "pool_ready", "1 when the pool's Ready condition is True")
+SHARDS_DESIRED = _per_pool(Gauge, "pool_shards_desired", "Shards the pool's shared Redis tier should run")
+SHARDS_READY = _per_pool(Gauge, "pool_shards_ready", "Shards of the pool's shared Redis tier that are ready")
 PER_POOL = (POOL_READY, SHARDS_DESIRED, SHARDS_READY)
 
 # Skip reasons that are the operator's failure, not the pod's or the pool's: counted as fail open
