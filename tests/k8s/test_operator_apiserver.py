@@ -768,8 +768,14 @@ def test_kvpool_doctor_names_what_is_wrong_with_each_broken_pool_and_how_to_fix_
         "vllm-crash": "kvpool.dev/reset-breaker",
     }
     assert set(fixes) == set(BROKEN)
-    code, said = kvpool_doctor(cp, "vllm-healthy")
-    assert code == 0 and "every pool looked at can serve" in said, said
+    restricted = namespace(cp, "doctor-restricted", {"pod-security.kubernetes.io/enforce": "restricted"})
+    apply(cp, cpu_pool(restricted))
+    wait_until(lambda: pool_ready(cp, restricted, "llama"), 60, "the pool to be Ready")
+    for healthy in ("vllm-healthy", restricted):  # the probe passes Pod Security `restricted` too
+        code, said = kvpool_doctor(cp, healthy)
+        assert code == 0 and "every pool looked at can serve" in said, said
+    code, said = kvpool_doctor(cp, "vllm-restricted")  # the probe copies one of its pods, as admitted
+    assert code == 1 and "(SidecarsNotAnswering)" in said and "refuses a pod" not in said, said
     for ns, fix in fixes.items():
         code, said = kvpool_doctor(cp, ns)
         assert code == 1 and f"✗ {ns}" in said and fix in said, (ns, said)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool_operator import names
+from kvpool_operator.injection import remove_injection
 from kvpool_operator.selector import matches
 
 WEBHOOK_NAME = "inject.kvpool.dev"  # the chart's webhook entry, whatever the release is called
@@ -249,31 +250,37 @@ def _condition(pool: Mapping[str, Any], namespace: str, name: str) -> list[Findi
 
 
 def probe_pod(pool: Mapping[str, Any], pods: list[dict[str, Any]]) -> dict[str, Any]:
-    """A pod the pool selects, shaped like its own pods where it has some (their vLLM image and
-    resources count for the LimitRange, the quota and the image breaker)."""
+    """The pool's next pod: one of its pods as it was before kvpool touched it (its image, resources and
+    security context count for the webhook, LimitRanger, the quota and Pod Security), else a vLLM
+    pod that Pod Security `restricted` admits, with the labels the pool selects."""
+    if pods:
+        pod = remove_injection(pods[0])
+        meta = pod["metadata"]
+        pod["metadata"] = {"name": PROBE_NAME, "labels": meta.get("labels") or {},
+                           "annotations": meta.get("annotations") or {}}  # fmt: skip
+        pod.pop("status", None)
+        pod["spec"].pop("nodeName", None)
+        return pod
     selector = pool["spec"].get("selector") or {}
     labels = dict(selector.get("matchLabels") or {})
     for expr in selector.get("matchExpressions") or []:
         if expr["operator"] in ("In", "Exists"):
             labels[expr["key"]] = (expr.get("values") or ["kvpool-doctor"])[0]
-    engine: dict[str, Any] = {
-        "name": "vllm",
-        "image": PROBE_IMAGE,
-        "command": ["vllm", "serve"],
-        "args": ["model"],
-    }
-    for pod in pods:
-        for c in pod["spec"].get("containers") or []:
-            if c.get("name") != names.SIDECAR_CONTAINER and "vllm" in " ".join(
-                c.get("command") or [c.get("image", "")]
-            ):
-                engine.update(image=c["image"], resources=c.get("resources") or {})
-                break
+    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    engine = {"name": pool["spec"].get("vllmContainer") or "vllm", "image": PROBE_IMAGE,
+              "command": ["vllm", "serve"], "args": ["model"], "securityContext": restricted}  # fmt: skip
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": PROBE_NAME, "labels": labels},
-        "spec": {"containers": [engine]},
+        "spec": {
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [engine],
+        },
     }
 
 
