@@ -108,7 +108,8 @@ def test_the_crd_upgrades_by_server_side_apply_before_helm_upgrade(
         assert "(default 4Gi)" in " ".join(explain(cp, "capacity").stdout.split())
     finally:
         helm(cp, "uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "1m", check=False)
-        cp.kubectl("delete", "namespace", POOLS, "--ignore-not-found", "--wait=false")
+        # gone before the next module's operators start: they would reconcile its pools as it terminates
+        cp.kubectl("delete", "namespace", POOLS, "--ignore-not-found", "--wait=true", timeout=120)
         # the tests after this one get this repository's CRD back
         cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_PATH))
         wait_until(lambda: explain(cp, FIELD).returncode != 0, 60, "the repository's CRD to be served again")

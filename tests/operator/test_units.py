@@ -11,6 +11,7 @@ from kvtest import free_port
 
 from kvpool_operator import conditions, pool_health, readiness, working_set
 from kvpool_operator.injection import arena_size_limit
+from kvpool_operator.kube import ApiError
 from kvpool_operator.leading import Peering, leads
 from kvpool_operator.pods import PodCounts, aggregate, miss_ratio_curve
 from kvpool_operator.pool import ScalingSpec, parse_pool
@@ -274,3 +275,14 @@ def test_only_the_replica_kopf_lets_act_refreshes() -> None:
     assert not leads({"me": peer(-10, 0), "twin": peer(-10, 1)}, me, now)  # a tie pauses both
     assert leads({"me": peer(-10, 0), "gone": peer(-5, 61)}, me, now)  # dead past its lifetime
     assert leads({"me": peer(-10, 0), "odd": {"priority": "x"}}, me, now)  # unreadable: not alive
+
+
+def test_a_namespace_being_deleted_is_gone_not_a_refusal() -> None:
+    """The 403 a terminating namespace answers every create with is the pool going away (refresh and
+    reconcile stop), not an API server refusing the operator (a quota, a policy: reported)."""
+    terminating = (
+        'events "x" is forbidden: unable to create new content in namespace ns because it is being terminated'
+    )
+    assert ApiError(403, f"POST /api/v1/namespaces/ns/events: {terminating}").gone
+    assert ApiError(404, "GET ...").gone
+    assert not ApiError(403, 'configmaps "x" is forbidden: exceeded quota: none').gone

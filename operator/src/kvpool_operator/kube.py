@@ -90,6 +90,12 @@ class ApiError(Exception):
         self.status = status
 
     @property
+    def gone(self) -> bool:
+        """The object, or the namespace it would live in, is being deleted: nothing left to do (a 404, or
+        the 403 a terminating namespace answers every create with; not a refusal worth reporting)."""
+        return self.status == 404 or (self.status == 403 and "because it is being terminated" in str(self))
+
+    @property
     def transient(self) -> bool:
         """Worth retrying as is: the server's errors, conflicts, throttling. Other 4xx (invalid, forbidden,
         over quota) answer the same until someone changes the pool, the quota or the RBAC."""

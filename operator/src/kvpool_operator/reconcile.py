@@ -65,6 +65,8 @@ async def reconcile(
         changed = status.get("observedGeneration") != generation or status.get("connectorConfig") != text
         found = await kube.list_pods(namespace, pool.selector) if changed else []
     except ApiError as e:
+        if e.gone and e.status == 403:
+            return  # its namespace is being deleted, and the pool with it
         if e.transient:
             raise kopf.TemporaryError(f"API call failed: {e}", delay=RETRY_DELAY) from e
         message = f"the API server refused a call ({e}); tried again when the pool changes"

@@ -60,8 +60,8 @@ async def _one(memo: OperatorState, body: Mapping[str, Any]) -> None:
             await memo.kube.patch_status("KVCachePool", meta["namespace"], meta["name"], changed)
         metrics.REFRESHES.labels(outcome="Succeeded").inc()
     except (ApiError, OSError, TimeoutError) as e:
-        if isinstance(e, ApiError) and e.status == 404:
-            return  # deleted meanwhile
+        if isinstance(e, ApiError) and e.gone:
+            return  # deleted meanwhile, or its namespace is
         metrics.REFRESHES.labels(outcome="Error").inc()
         log.warning("%s refresh failed (%s); again in %ss", where, e, memo.settings.stats_interval)
     except Exception:
