@@ -167,6 +167,36 @@ def test_the_shared_redis_tier_runs_as_real_redis_pods_reached_by_name(cluster: 
     wait_until(lambda: condition("shared", "Ready") == "True", 120, "the shared pool to say Ready")
 
 
+def test_a_deleted_secret_reaches_the_running_sidecar_through_the_kubelet(cluster: Cluster) -> None:
+    """The shared tier's password and the pool key deleted (#21 item 2): the operator makes both again
+    with new values, the Redis shard restarts with the new password, and the running sidecar reads both
+    from its mounted Secret as the real kubelet updates it: its Redis tier is ready again without a
+    restart of the sidecar or of vLLM. (With the values in env, as before, it never was.)"""
+    (p,) = ready_pods("app=work-redis", 1, NAMESPACE)
+    name = p["metadata"]["name"]
+    restarts = {c["name"]: c["restartCount"] for c in container_statuses(p)}
+    kubectl("-n", NAMESPACE, "delete", "secret", "shared-kvpool-redis", "shared-kvpool-key")
+    wait_until(lambda: kubectl("-n", NAMESPACE, "get", "events", "--field-selector",
+                               "reason=CredentialsRecreated", "-o", "name").strip(), 60,
+               "the Secrets made again, and said")  # fmt: skip
+
+    def shard_rolled() -> bool:
+        shard = kubectl_json("-n", NAMESPACE, "get", "statefulset", "shared-kvpool-redis")
+        rolled = shard["status"].get("updateRevision") == shard["status"].get("currentRevision")
+        return (
+            "kvpool.dev/credentials-checksum" in shard["spec"]["template"]["metadata"].get("annotations", {})
+            and rolled
+            and shard["status"].get("readyReplicas") == 1
+        )
+
+    wait_until(shard_rolled, 120, "the shard restarted with the new password")
+    with port_forward(name, STATUS_PORT) as url:
+        wait_until(lambda: get_json(url + "/stats")["tiers"]["redis"]["ready"], 120,
+                   "the running sidecar on the new password and key")  # fmt: skip
+    after = kubectl_json("-n", NAMESPACE, "get", "pod", name)
+    assert {c["name"]: c["restartCount"] for c in container_statuses(after)} == restarts
+
+
 def test_a_killed_sidecar_restarts_and_the_vllm_container_keeps_running(cluster: Cluster) -> None:
     first = pods("app=work-cpu", NAMESPACE)[0]
     name, uid = first["metadata"]["name"], first["metadata"]["uid"]
