@@ -11,7 +11,6 @@ numbers), and tests can list the names.
 from __future__ import annotations
 
 import logging
-import urllib.parse
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvpool_operator.readiness import WILDCARDS
+from kvpool_operator.readiness import serve_endpoint
 
 PREFIX = "kvpool_operator_"
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -136,21 +135,13 @@ def names() -> set[str]:
 async def serve(endpoint: str) -> web.AppRunner | None:
     """Serves the registry at http://host:port/path (a wildcard host: every address of both
     families). A port that cannot be bound is logged, not fatal: the webhook matters more."""
-    url = urllib.parse.urlsplit(endpoint)
 
     async def metrics(_: web.Request) -> web.Response:
         body = generate_latest(REGISTRY)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application()
-    app.router.add_get(url.path or "/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    host = None if (url.hostname or "") in WILDCARDS else url.hostname
     try:
-        await web.TCPSite(runner, host, url.port or 80).start()
+        return await serve_endpoint(endpoint, metrics, default_path="/metrics")
     except OSError as e:
         log.error("cannot serve metrics on %s (%s); running without them", endpoint, e)
-        await runner.cleanup()
         return None
-    return runner

@@ -30,15 +30,22 @@ async def serve(readiness: str, liveness: str, ready: asyncio.Event) -> list[web
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    return [await _serve(url, handler) for url, handler in ((readiness, readyz), (liveness, healthz)) if url]
+    endpoints = ((readiness, readyz), (liveness, healthz))
+    return [await serve_endpoint(url, handler) for url, handler in endpoints if url]
 
 
-async def _serve(endpoint: str, handler: Handler) -> web.AppRunner:
+async def serve_endpoint(endpoint: str, handler: Handler, default_path: str = "/") -> web.AppRunner:
+    """Serves GET on one endpoint (http://host:port/path); a port that cannot be bound raises OSError,
+    with nothing left running."""
     url = urllib.parse.urlsplit(endpoint)
     app = web.Application()
-    app.router.add_get(url.path or "/", handler)
+    app.router.add_get(url.path or default_path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host = None if (url.hostname or "") in WILDCARDS else url.hostname  # None: every address, both families
-    await web.TCPSite(runner, host, url.port or 80).start()
+    try:
+        await web.TCPSite(runner, host, url.port or 80).start()
+    except OSError:
+        await runner.cleanup()
+        raise
     return runner
