@@ -14,8 +14,14 @@ from pathlib import Path
 import pytest
 from kvtest import start_sidecar
 
-from kvpool_operator.resources import PAGE_TABLE_DIVISOR, SIDECAR_MAX_CHUNKS, sidecar_memory_bytes
+from kvpool_operator.resources import (
+    PAGE_TABLE_DIVISOR,
+    SIDECAR_MAX_CHUNKS,
+    arena_files_bytes,
+    sidecar_memory_bytes,
+)
 from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.journal import budget_bytes
 from kvpool_sidecar.settings import Settings
 
 BATCH = 20_000
@@ -32,6 +38,8 @@ def memory(pid: int) -> dict[str, int]:
 
 def test_the_operator_counts_the_sidecars_own_defaults() -> None:
     assert Settings.max_chunks == SIDECAR_MAX_CHUNKS
+    for capacity in (2**20, 2**30, 100 * 2**30):  # the emptyDir holds the arena's journal too
+        assert arena_files_bytes(capacity) - capacity >= budget_bytes(capacity)
 
 
 @pytest.mark.parametrize("capacity", ["256Mi", "2Gi"])

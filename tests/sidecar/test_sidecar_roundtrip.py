@@ -188,8 +188,8 @@ def test_unreachable_sidecar_is_a_sidecar_error() -> None:
 
 
 def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
-    """A restarted sidecar keeps the arena file (--keep-arena, as the operator injects it), has a new
-    socket: the same client carries on."""
+    """A restarted sidecar keeps the arena file (--keep-arena, as the operator injects it) and the
+    chunks in it, has a new socket: the same client carries on."""
     from kvtest import start_sidecar
 
     proc = sidecar_factory("8Mi", (), "--keep-arena")
@@ -205,7 +205,7 @@ def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
     again = start_sidecar(arena_dir.parent, "8Mi", [], "--keep-arena", port=proc.info["port"])
     try:
         assert os.stat(arena_dir / "arena").st_ino == inode  # the same file: mappings stay valid
-        assert c.lookup([key(1, "e")]) == 0  # an empty index: old bytes are never trusted
+        assert c.get(key(1, "e")) == b"1" * 1000  # adopted: the journal names it, its checksum holds
         (slot,) = c.reserve([(key(2, "e"), 1000)])
         c.arena()[slot.offset : slot.offset + 1000] = b"2" * 1000
         assert c.commit([(slot, checksum(b"2" * 1000))]) == [True]
@@ -257,7 +257,7 @@ def test_a_connection_the_sidecar_closed_while_idle_is_tried_once_more_on_a_new_
         proc.stop()
     proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), port=port)
     try:
-        assert c.lookup([key(1, "before")]) == 0  # over the socket: the new sidecar starts empty
+        assert c.lookup([key(1, "before")]) == 1  # over the socket: the new sidecar adopted it
         assert c.put(key(2, "after"), b"y")  # over HTTP
     finally:
         c.close()

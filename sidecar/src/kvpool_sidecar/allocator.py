@@ -39,6 +39,26 @@ class Allocator:
                 return start
         return None
 
+    def take(self, offset: int, length: int) -> bool:
+        """Allocates the extent at `offset` itself (a chunk adopted where it lies); False when any of
+        it is not free."""
+        need = self.footprint(length)
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i < 0 or offset % ALIGN:
+            return False
+        start = self._starts[i]
+        end = start + self._lengths[start]
+        if offset + need > end:
+            return False
+        del self._starts[i]
+        del self._lengths[start]
+        if offset > start:
+            self._insert(start, offset - start)
+        if end > offset + need:
+            self._insert(offset + need, end - offset - need)
+        self.free_bytes -= need
+        return True
+
     def free(self, offset: int, length: int) -> None:
         size = self.footprint(length)
         self.free_bytes += size

@@ -40,12 +40,13 @@ def check_directory(directory: Path) -> None:
         )
 
 
-def _open_own(path: Path, mode: int, size: int) -> int:
+def _open_own(path: Path, mode: int, size: int) -> tuple[int, bool]:
     """The arena file, opened without following a symlink; a file that is not this process's own
     regular, single-link file (planted before the sidecar started) is replaced, never used, and so
     is one of another size (another --capacity): shrunk in place, a client still copying through
     its mapping of the old size would touch pages past the end and die of SIGBUS. Replaced, the old
-    file lives on while mapped, and clients map the new one when they see its epoch."""
+    file lives on while mapped, and clients map the new one when they see its epoch. Also returns
+    whether the file is a previous run's arena of this size (its chunks may be adopted)."""
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, mode)
@@ -57,7 +58,7 @@ def _open_own(path: Path, mode: int, size: int) -> int:
         st = os.fstat(fd)
         own = stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1
         if own and st.st_size in (0, size):
-            return fd
+            return fd, st.st_size == size
         os.close(fd)
         if own:
             log.warning("replacing %s: %d bytes, this arena is %d", path, st.st_size, size)
@@ -65,7 +66,7 @@ def _open_own(path: Path, mode: int, size: int) -> int:
             why = f"not a regular file of this user (uid {st.st_uid}, {st.st_nlink} links)"
             log.warning("replacing %s: %s", path, why)
     path.unlink()
-    return os.open(path, flags | os.O_EXCL, mode)
+    return os.open(path, flags | os.O_EXCL, mode), False
 
 
 class Arena:
@@ -84,8 +85,8 @@ class Arena:
         self.epoch = secrets.randbits(63) + 1
         # The same file across sidecar restarts (an emptyDir outlives its containers): a client
         # that still maps it keeps a valid mapping, and memory is not held twice. Its old bytes are
-        # never trusted: the index starts empty, and every chunk is checksummed before it is served.
-        fd = _open_own(self.path, self.mode, size)
+        # trusted only where the journal names a chunk and its checksum still matches (store.py).
+        fd, self.reused = _open_own(self.path, self.mode, size)
         self._inode = os.fstat(fd).st_ino
         try:
             os.fchmod(fd, self.mode)  # the umask may have narrowed it

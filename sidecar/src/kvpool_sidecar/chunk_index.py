@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool_sidecar.allocator import Allocator
+from kvpool_sidecar.journal import Journal, Record
 from kvpool_sidecar.wire import Slot
 
 
@@ -56,6 +57,8 @@ class Counters:
     promotions: int = 0
     refused_commits: int = 0  # commits of a reservation that was no longer the writer's
     arena_reinitialised: int = 0  # headers found changed behind the sidecar: every chunk dropped
+    adopted: int = 0  # chunks a restarted sidecar found in the arena, whole, and serves again
+    adoption_refused: int = 0  # chunks the journal named whose bytes no longer match: not adopted
 
 
 class ChunkIndex:
@@ -93,6 +96,7 @@ class ChunkIndex:
         self._next_reap = 0.0
         # Generations start at a random number, so a restarted sidecar never accepts an old one.
         self._gens = itertools.count(secrets.randbits(62) + 1)
+        self.journal: Journal | None = None  # told of every chunk stored and dropped (journal.py)
 
     # --- lookups --------------------------------------------------------------------------------
 
@@ -194,6 +198,33 @@ class ChunkIndex:
         mine = tuple(alias for alias in e.prefixes if self._aliases.setdefault(alias, e) is e)
         self._prefixes_held -= len(e.prefixes) - len(mine)
         e.prefixes = mine
+        if self.journal is not None:
+            self.journal.stored(_record(e))
+            self._compact_journal()
+
+    def adopt(self, records: Sequence[Record]) -> int:
+        """Takes chunks a previous run stored back into an empty index, each at its own extent (the
+        caller has checked their bytes); one whose extent is out of range or taken is skipped.
+        Returns how many were adopted."""
+        adopted = 0
+        for r in records:
+            if r.key in self._entries or not self._alloc.take(r.offset, r.length):
+                continue
+            e = Entry(r.key, r.offset, r.length, r.priority, stored=True, checksum=r.checksum)
+            self._entries[r.key] = e
+            self._link(e)
+            self.stored_bytes += e.length
+            adopted += 1
+        self.counters.adopted += adopted
+        return adopted
+
+    def held(self) -> list[Record]:
+        """The records of every stored chunk (what the journal is rewritten with)."""
+        return [_record(e) for lru in self._lru.values() for e in lru.values()]
+
+    def _compact_journal(self) -> None:
+        if self.journal is not None and self.journal.due():
+            self.journal.rewrite(self.held())
 
     def abort(self, slot: Slot) -> None:
         if (e := self.reserved(slot)) is not None:
@@ -275,14 +306,21 @@ class ChunkIndex:
         if e.stored:
             self._unlink(e)
             self.stored_bytes -= e.length
+            if self.journal is not None:  # on file before the extent can go to another writer
+                self.journal.dropped(_record(e))
+                self._compact_journal()
         if e.pins == 0:
             self._alloc.free(e.offset, e.length)
 
     def clear(self) -> None:
         """Drops every entry, stored or reserved. Pinned extents stay allocated until their leases
         end, so nothing a reader still copies from is handed to a new writer."""
+        journal, self.journal = self.journal, None  # one rewrite, not a record per chunk
         for e in list(self._entries.values()):
             self.drop(e)
+        self.journal = journal
+        if journal is not None:
+            journal.rewrite(())
 
     def _victim(self, protect: set[str]) -> Entry | None:
         # A higher priority number is a lower priority (vLLM's convention): it goes first.
@@ -355,7 +393,13 @@ class ChunkIndex:
             "promotions": c.promotions,
             "refused_commits": c.refused_commits,
             "arena_reinitialised": c.arena_reinitialised,
+            "adopted": c.adopted,
+            "adoption_refused": c.adoption_refused,
             "reserved_chunks": sum(1 for e in self._entries.values() if not e.stored),
             "pinned_leases": len(self._leases),
             "free_bytes": self._alloc.free_bytes,
         }
+
+
+def _record(e: Entry) -> Record:
+    return Record(e.key, e.offset, e.length, e.checksum, e.priority)

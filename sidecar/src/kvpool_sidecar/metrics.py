@@ -46,6 +46,8 @@ STATS = (
     counter("promotions", "Chunks loaded from Redis into the CPU tier"),
     counter("refused_commits", "Commits of a reservation that was no longer the writer's"),
     counter("arena_reinitialised", "Arena headers changed behind the sidecar: chunks dropped, new epoch"),
+    counter("adopted", "Chunks found whole in the arena at start (a restarted sidecar) and served again"),
+    counter("adoption_refused", "Chunks the arena's journal named whose bytes no longer match: not adopted"),
     gauge("reserved_chunks", "Chunks reserved and not yet committed"),
     gauge("pinned_leases", "Pin leases held (chunks being loaded)"),
     gauge("free_bytes", "Bytes of the arena not stored or reserved"),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kvpool_sidecar import metrics
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.engine_reports import EngineReports
+from kvpool_sidecar.journal import JOURNAL_FILE, Journal, budget_bytes
 from kvpool_sidecar.settings import Settings
 from kvpool_sidecar.store import Store
 from kvpool_sidecar.wire import CONTROL_SOCKET
@@ -33,7 +34,10 @@ class Sidecar:
     @classmethod
     def build(cls, settings: Settings) -> Sidecar:
         arena = Arena(settings.arena_dir, settings.capacity, settings.shared_group)
-        store = Store(arena, lease_seconds=settings.lease_seconds, max_chunks=settings.max_chunks)
+        journal = Journal(settings.arena_dir / JOURNAL_FILE, budget_bytes(settings.capacity))
+        store = Store(
+            arena, lease_seconds=settings.lease_seconds, max_chunks=settings.max_chunks, journal=journal
+        )
         token = WriteToken(settings.arena_dir, arena.mode)
         sidecar = cls(settings, arena, store, token, EngineReports(settings.arena_dir, arena.mode))
         if (
@@ -68,9 +72,14 @@ class Sidecar:
         if self.redis is not None:
             self.redis.close()
         self.token.remove()  # a restarted sidecar writes a new one; clients read it again on 401
+        journal = self.store.index.journal
+        if journal is not None:
+            journal.close()
         if not self.settings.keep_arena:  # a host's tmpfs holds its pages until the file goes
             self.engines.remove()
             self.arena.remove()
+            if journal is not None:
+                journal.remove()
 
     def ready(self, cpu_only: bool = False) -> tuple[bool, str]:
         if not cpu_only and self.redis_refused:

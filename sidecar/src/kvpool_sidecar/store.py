@@ -19,6 +19,7 @@ from enum import Enum
 from kvpool_sidecar.arena import Arena
 from kvpool_sidecar.batching import LOCKED_SLICE
 from kvpool_sidecar.chunk_index import ChunkIndex, Counters, Entry
+from kvpool_sidecar.journal import Journal
 from kvpool_sidecar.miss_ratio import MissRatioCurve, key_hashes
 from kvpool_sidecar.promotion import LowerTier, Promotions
 from kvpool_sidecar.wire import ARENA_HEADER, Slot, checksum
@@ -45,6 +46,7 @@ class Store:
         lease_seconds: float = 30.0,
         max_chunks: int = 200_000,
         clock: Callable[[], float] = time.monotonic,
+        journal: Journal | None = None,
     ):
         self.arena = arena
         self.capacity = arena.capacity
@@ -59,6 +61,27 @@ class Store:
         self.arena_fault: str | None = None  # the last header found changed behind the sidecar
         self.curve = MissRatioCurve(arena.capacity)  # the hit rate at other capacities (sizing)
         self.working_set = WorkingSet()  # the distinct chunks asked for lately (the shared tier's sizing)
+        if journal is not None:
+            self._adopt(journal)
+
+    def _adopt(self, journal: Journal) -> None:
+        """At start, before serving: the chunks a previous run left in this same arena file whose bytes
+        still match their checksums are served again; then every change goes on the journal."""
+        records = journal.read() if self.arena.reused else {}
+        end = self.arena.size
+        whole = [
+            r
+            for r in records.values()
+            if self.arena.base <= r.offset <= r.offset + r.length <= end
+            and checksum(self.arena.view[r.offset : r.offset + r.length]) == r.checksum
+        ]
+        adopted = self.index.adopt(whole)
+        self.counters.adoption_refused += len(records) - adopted
+        journal.rewrite(self.index.held())
+        self.index.journal = journal
+        if records:
+            refused = len(records) - adopted
+            log.info("adopted %d chunks from the arena; %d torn or overwritten were not", adopted, refused)
 
     def _check_arena(self) -> None:
         """Before serving, under the lock: a header this sidecar did not write (a rogue writer, memory
