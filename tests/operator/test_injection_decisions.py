@@ -111,12 +111,12 @@ def test_injecting_a_pod_skipped_before_drops_the_reason() -> None:
 
 def test_default_requests_never_exceed_given_limits() -> None:
     r = sidecar_resources(2**30, {"limits": {"cpu": "100m", "memory": "2Gi"}})
-    assert r == {"requests": {"cpu": "100m", "memory": "1350Mi"}, "limits": {"cpu": "100m", "memory": "2Gi"}}
+    assert r == {"requests": {"cpu": "100m", "memory": "1355Mi"}, "limits": {"cpu": "100m", "memory": "2Gi"}}
 
 
 def test_a_guaranteed_pod_gets_a_guaranteed_sidecar() -> None:
     r = sidecar_resources(2**30, None, guaranteed=True)
-    assert r["requests"] == r["limits"] == {"cpu": "250m", "memory": "1350Mi"}
+    assert r["requests"] == r["limits"] == {"cpu": "250m", "memory": "1355Mi"}
     r = sidecar_resources(2**30, {"limits": {"cpu": "1", "memory": "2Gi"}}, guaranteed=True)
     assert r["requests"] == r["limits"] == {"cpu": "1", "memory": "2Gi"}
 
@@ -148,7 +148,7 @@ def test_decide_keeps_a_guaranteed_pod_guaranteed() -> None:
     ("given", "fragment"),
     [
         ({"requests": {"memory": "8Gi"}}, "requests.memory 8Gi is above its limit"),
-        ({"limits": {"memory": "1Gi"}}, "is less than the arena plus the sidecar process (1350Mi)"),
+        ({"limits": {"memory": "1Gi"}}, "is less than the arena plus the sidecar process (1355Mi)"),
         ({"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}, "requests.cpu 2 is above its limit 1"),
         ({"limits": {"cpu": "lots"}}, "'lots' is not a quantity"),
     ],

@@ -49,7 +49,7 @@ def test_format_mebibytes_rounds_up() -> None:
     assert format_mebibytes(2**30) == "1024Mi" and format_mebibytes(2**20 + 1) == "2Mi"
 
 
-@pytest.mark.parametrize(("capacity", "limit"), [("1Gi", "1025Mi"), ("1G", "955Mi"), ("1.5Gi", "1537Mi")])
+@pytest.mark.parametrize(("capacity", "limit"), [("1Gi", "1030Mi"), ("1G", "960Mi"), ("1.5Gi", "1544Mi")])
 def test_arena_size_limit_holds_the_arena_in_whole_pages(capacity: str, limit: str) -> None:
     pool = parse_pool("ns", "p", {"selector": {"matchLabels": {"a": "b"}}, "capacity": capacity})
     assert arena_size_limit(pool) == limit

@@ -170,15 +170,15 @@ EXPECTED_SOLO = {
                 "ports": [{"name": "kvpool-status", "containerPort": 7071, "protocol": "TCP"}],
                 "volumeMounts": [{"name": "kvpool-arena", "mountPath": "/var/run/kvpool"}],
                 "resources": {
-                    "requests": {"cpu": "250m", "memory": "1350Mi"},
-                    "limits": {"memory": "1350Mi"},
+                    "requests": {"cpu": "250m", "memory": "1355Mi"},
+                    "limits": {"memory": "1355Mi"},
                 },
                 "livenessProbe": probe("/healthz", 10, 6),
                 "securityContext": {**RESTRICTED, "runAsGroup": 65532},
             },
         ],
         "volumes": [
-            {"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1025Mi"}},
+            {"name": "kvpool-arena", "emptyDir": {"medium": "Memory", "sizeLimit": "1030Mi"}},
             {"name": "kvpool-connector", "emptyDir": {"sizeLimit": "64Mi"}},
         ],
         "securityContext": {"supplementalGroups": [65532]},  # the arena's group, for vLLM too

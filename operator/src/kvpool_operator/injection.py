@@ -19,7 +19,7 @@ from kvpool_operator.injected_parts import digest
 from kvpool_operator.pods import opted_out
 from kvpool_operator.pool import Pool, problems
 from kvpool_operator.quantity import format_mebibytes
-from kvpool_operator.resources import guaranteed, sidecar_resources
+from kvpool_operator.resources import arena_files_bytes, guaranteed, sidecar_resources
 from kvpool_operator.selector import matches
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.vllm_breaker import skip as vllm_breaker_skip
@@ -353,9 +353,9 @@ def credential_sources(pool: Pool) -> list[dict[str, Any]]:
 
 
 def arena_size_limit(pool: Pool) -> str:
-    """The capacity in whole MiB plus 1 MiB: tmpfs counts whole pages (a 1G arena fills 1536 bytes
-    more than 10^9), and the kubelet evicts the whole pod, vLLM included, past the limit."""
-    return format_mebibytes(pool.capacity_bytes + ARENA_HEADROOM_BYTES)
+    """The arena and its journal in whole MiB plus 1 MiB: tmpfs counts whole pages (a 1G arena fills
+    1536 bytes more than 10^9), and the kubelet evicts the whole pod, vLLM included, past the limit."""
+    return format_mebibytes(arena_files_bytes(pool.capacity_bytes) + ARENA_HEADROOM_BYTES)
 
 
 def _probe(path: str, port: int, *, period: int, failures: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ PAGE_TABLE_DIVISOR = 512  # the populated mapping's page tables: 8 bytes per 4 K
 SIDECAR_MAX_CHUNKS = 200_000  # the sidecar's --max-chunks default, which the index never exceeds
 INDEX_BYTES_PER_CHUNK = 1024  # measured 750 at its peak, 200,000 chunks; 960 with as many block-prefix keys
 IN_FLIGHT_BYTES = 64 * 2**20  # one chunk body of --max-chunk-bytes (default 64 MiB) being copied
+JOURNAL_DIVISOR = 256  # the arena's journal, tmpfs beside it: the sidecar's journal.budget_bytes
 QOS_RESOURCES = ("cpu", "memory")
 
 
@@ -45,7 +46,14 @@ def sidecar_memory_bytes(capacity_bytes: int) -> int:
     """The memory the sidecar of an arena this big uses at most: at 100 GiB the page tables alone take
     200 MiB, so no fixed overhead covers every capacity."""
     index = SIDECAR_MAX_CHUNKS * INDEX_BYTES_PER_CHUNK
-    return capacity_bytes + capacity_bytes // PAGE_TABLE_DIVISOR + PROCESS_BYTES + index + IN_FLIGHT_BYTES
+    page_tables = capacity_bytes // PAGE_TABLE_DIVISOR
+    return arena_files_bytes(capacity_bytes) + page_tables + PROCESS_BYTES + index + IN_FLIGHT_BYTES
+
+
+def arena_files_bytes(capacity_bytes: int) -> int:
+    """The arena file and its journal (what a restarted sidecar adopts; the sidecar's
+    journal.budget_bytes), both on the pod's tmpfs."""
+    return capacity_bytes + capacity_bytes // JOURNAL_DIVISOR + 2**20
 
 
 def resource_problems(capacity_bytes: int, given: Mapping[str, Any] | None) -> list[str]:
