@@ -13,6 +13,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     LoRAConfig,
     ModelConfig,
@@ -48,6 +49,7 @@ def make_scheduler(
     encoder_budget: int = 0,
     async_scheduling: bool = False,
     tp_size: int = 1,
+    kv_events: bool = False,
     **extra: Any,
 ) -> Scheduler:
     """The scheduler as the engine core makes it. `encoder_budget` gives it the encoder compute and
@@ -79,6 +81,8 @@ def make_scheduler(
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig("cpu"),
         lora_config=LoRAConfig(max_loras=2) if lora else None,
+        # KV cache events on, published nowhere: a test reads the scheduler's publisher
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,

@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from .common import KVPoolMetadata
 from .config import load_config
 from .engine_report import engine_name, report_engine
+from .kv_events import KVPoolEvents, events_enabled, hash_block_size
 from .logs import connector_logger
 from .metrics import KVPoolPromMetrics, KVPoolStats, build_stats
 from .model_identity import PRIVATE_WEIGHTS
@@ -24,7 +25,10 @@ from .scheduler import KVPoolScheduler
 from .worker import KVPoolWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -101,7 +105,13 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 vllm_config, kv_cache_config, self.cfg.chunk_size, self.cfg.model_fingerprint
             )
             windows = [out_of_window(g.kv_cache_spec) for g in groups]
-            self.scheduler = KVPoolScheduler(self.cfg, namespace, namespace.block_size, windows=windows)
+            bs = namespace.block_size
+            events = (
+                KVPoolEvents(bs, hash_block_size(vllm_config, kv_cache_config, bs))
+                if events_enabled(vllm_config)
+                else None
+            )
+            self.scheduler = KVPoolScheduler(self.cfg, namespace, bs, windows=windows, events=events)
             shared = not namespace.weights.startswith(PRIVATE_WEIGHTS)
             why = "" if shared else "its weights cannot be read to fingerprint them: set model_fingerprint"
             report = {"cache": "on", "shared": shared, "reason": why, "model": model}
@@ -243,6 +253,10 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.off is None:
             self._scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvpool's tier as vLLM KV cache events, for routers (kv_events.py); only with --kv-events-config."""
+        return self.scheduler.take_events() if self.scheduler is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return (False, None) if self.off is not None else self._scheduler.request_finished(request)

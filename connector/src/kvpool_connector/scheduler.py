@@ -13,6 +13,7 @@ from .breaker import BREAKER_SECONDS, Breaker
 from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from .config import KVPoolConfig, sidecar_client
 from .keys import Extras, Namespace, chain, group_link, new_generation, rank_key
+from .kv_events import KVPoolEvents
 from .logs import connector_logger
 from .metrics import KVPoolStats
 from .ratelimit import RateLimitedLog
@@ -20,6 +21,7 @@ from .request_inputs import Unkeyable, request_extras
 from .spans import Span, align_down, decode_spans, prompt_spans
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -73,6 +75,7 @@ class KVPoolScheduler:
         block_size: int,
         clock: Callable[[], float] = time.monotonic,
         windows: Sequence[Callable[[int], int] | None] = (None,),
+        events: KVPoolEvents | None = None,
     ):
         self.cfg = cfg
         self.block_size = block_size
@@ -94,6 +97,7 @@ class KVPoolScheduler:
         self.client = sidecar_client(cfg)
         self.reqs: dict[str, _ReqState] = {}
         self.stats = KVPoolStats()
+        self.events = events  # None: the engine publishes no KV cache events (nothing is tracked)
 
     # --- keys ------------------------------------------------------------------------------------
 
@@ -188,6 +192,8 @@ class KVPoolScheduler:
         try:
             hits = self.client.lookup(keys) // (self.ranks * len(self._prefix_groups))
             hits = max(0, min(hits, len(spans)))
+            if self.events is not None and hits < len(spans):  # an announced chunk may be gone
+                self.events.gone(links[hits], self._prefix_groups)
             if self.full_groups and self.windowed_groups:
                 hit_spans = self._windowed_hit(st, spans, hits, num_computed_tokens, limit)
             else:
@@ -300,6 +306,9 @@ class KVPoolScheduler:
         start, hit_spans = st.lookup
         st.load = (start, start + num_external_tokens)
         st.saved.update(hit_spans)  # already stored: never saved again
+        if self.events is not None and (links := self._links(st, hit_spans)) is not None:
+            for span, link in zip(hit_spans, links, strict=True):  # found: kvpool holds them
+                self.events.hold(request, span, link, self._prefix_groups)
         self.stats.add("hit_tokens", num_external_tokens)
 
     # --- per-step metadata -----------------------------------------------------------------------
@@ -336,6 +345,8 @@ class KVPoolScheduler:
             end = num_computed + so.num_scheduled_tokens.get(req_id, 0)
             if (save := self._save_spec(st, end, num_computed)) is not None:
                 meta.saves.append(save)
+        if self.events is not None:
+            self.events.planned()
         return meta
 
     def _ops(self, st: _ReqState, spans: list[Span], clip: Span) -> list[ChunkOp]:
@@ -400,18 +411,23 @@ class KVPoolScheduler:
         if not todo or (links := self._links(st, todo)) is None:
             return None
         bs = self.block_size
-        ops = [
-            ChunkOp(
-                group_link(link, g),
-                (s[1] - s[0]) // bs,
-                st.block_ids[g][s[0] // bs : s[1] // bs],
-                prefixes=[group_link(self._link(st, (s[0], end)), g) for end in range(s[0] + bs, s[1], bs)],
-                group=g,
-            )
-            for s, link in zip(todo, links, strict=True)
-            for g in range(len(self.windows))
-            if self._in_window(st, s, computed_before, g)
-        ]
+        ops = []
+        for s, link in zip(todo, links, strict=True):
+            groups = [g for g in range(len(self.windows)) if self._in_window(st, s, computed_before, g)]
+            ops += [
+                ChunkOp(
+                    group_link(link, g),
+                    (s[1] - s[0]) // bs,
+                    st.block_ids[g][s[0] // bs : s[1] // bs],
+                    prefixes=[
+                        group_link(self._link(st, (s[0], end)), g) for end in range(s[0] + bs, s[1], bs)
+                    ],
+                    group=g,
+                )
+                for g in groups
+            ]
+            if self.events is not None:
+                self.events.hold(request, s, link, groups)
         return SaveSpec(request.request_id, request.priority, ops) if ops else None
 
     # --- worker results, request end -------------------------------------------------------------
@@ -451,6 +467,8 @@ class KVPoolScheduler:
         generation in the seed makes every chunk saved before unreachable at once, on every key; the
         sidecar's LRU ages them out. Pods that did not reset keep their own keys."""
         self.seed = new_generation(self.seed)
+        if self.events is not None:
+            self.events.reset()
         for st in self.reqs.values():
             st.links.clear()
             st.saved.clear()
@@ -460,6 +478,9 @@ class KVPoolScheduler:
 
     def take_stats(self) -> KVPoolStats | None:
         return self.stats.take()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.events.take() if self.events is not None else []
 
     def shutdown(self) -> None:
         self.client.close()

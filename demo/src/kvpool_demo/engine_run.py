@@ -8,6 +8,7 @@ SPEC: {"model": dir, "block_size": 32, "kv_cache_bytes": N, "max_model_len": N,
        "connector": null | {"name": ..., "module": ..., "extra": {...}}, "scheduling_policy": "fcfs",
        "max_num_batched_tokens": null, "enable_prefix_caching": false, "max_lora_rank": null,
        "tensor_parallel_size": 1, "disable_hybrid_kv_cache_manager": null, "dtype": "float32",
+       "kv_events_endpoint": null | "tcp://127.0.0.1:PORT" (vLLM's ZMQ KV events publisher connects there),
        "runs": [{"label": str, "prompts": [[ids], ...], "max_tokens": 4, "priority": [..] | null,
                  "kv_transfer_params": {...} | null, "cache_salt": str | null,
                  "lora": {"name": str, "id": int, "path": dir} | null,
@@ -60,6 +61,12 @@ def build_llm(spec: dict[str, Any]) -> Any:
         kwargs.update(tensor_parallel_size=spec["tensor_parallel_size"], distributed_executor_backend="mp")
     if spec.get("disable_hybrid_kv_cache_manager") is not None:
         kwargs["disable_hybrid_kv_cache_manager"] = spec["disable_hybrid_kv_cache_manager"]
+    if spec.get("kv_events_endpoint"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events_endpoint"], topic="kv"
+        )
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True
