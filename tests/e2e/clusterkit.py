@@ -128,6 +128,14 @@ def get_json(url: str) -> Any:
         return json.load(r)
 
 
+def pod_json(pod: str, port: int, path: str, namespace: str = NAMESPACE) -> Any:
+    """GET a pod's port through the API server's proxy: no port-forward to lose when the container
+    behind the port restarts (kubectl port-forward exits on the first connection it cannot make)."""
+    return json.loads(
+        kubectl("get", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod}:{port}/proxy{path}")
+    )
+
+
 @contextlib.contextmanager
 def port_forward(pod: str, port: int, namespace: str = NAMESPACE) -> Iterator[str]:
     """`kubectl port-forward` to a pod's port; yields the local base URL."""

@@ -1,7 +1,8 @@
 """vLLM on a real cluster, from a stock image (nothing of kvpool in it): injection with the staged
 connector, the sidecar's endpoints, a returning prompt loaded from kvpool (vLLM's own /metrics), a
 cross-pod hit through the shared Redis tier with identical output, a killed sidecar that vLLM answers
-through with the same tokens, honest `kubectl get kvp`, and clean deletion. Runs on the real node
+through with the same tokens and that comes back with its arena's chunks, a rollout whose new pods
+load what the old ones served, honest `kubectl get kvp`, and clean deletion. Runs on the real node
 (make test) and on kind (make e2e-kind).
 
 The tests run in file order on one cluster: the hit-rate check reads what the earlier tests did, and
@@ -11,6 +12,7 @@ the last test deletes the pool.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from typing import Any
 
@@ -23,6 +25,7 @@ from clusterkit import (
     get_json,
     kubectl,
     kubectl_json,
+    pod_json,
     pods,
     port_forward,
 )
@@ -34,6 +37,7 @@ pytestmark = pytest.mark.e2e
 STATUS_PORT = 7071  # the pool's sidecar port 7070 + 1
 PROMPT = " ".join(f"the cache keeps token {i} of this prompt warm" for i in range(30))
 RETURNING = " ".join(f"a user comes back with message {i} of the conversation" for i in range(30))
+ROLLOUT = " ".join(f"the deployment rolls while message {i} waits" for i in range(30))
 
 
 def vllm_pods() -> list[dict[str, Any]]:
@@ -113,7 +117,8 @@ def test_same_prompt_on_a_then_b_is_a_hit_on_b_with_identical_output(vllm_worklo
 
 def test_vllm_answers_the_same_through_a_killed_sidecar(cluster: Cluster, vllm_workload: str) -> None:
     """The sidecar SIGKILLed: vLLM keeps answering (a cache down is a miss), with the same tokens, and
-    is never restarted; the same pod restarts the sidecar."""
+    is never restarted; the same pod restarts the sidecar, which takes back the chunks its arena (the
+    pod's emptyDir) still holds whole: the prompt loads from the CPU tier again, not from Redis."""
     pod = vllm_pods()[0]
     name = pod["metadata"]["name"]
     before = container_status(pod, "kvpool-sidecar")
@@ -128,8 +133,37 @@ def test_vllm_answers_the_same_through_a_killed_sidecar(cluster: Cluster, vllm_w
             return p if s["restartCount"] > before["restartCount"] and s.get("ready") else None
 
         after = wait_until(restarted, 120, "the killed sidecar to be restarted")
-        assert complete(vllm, PROMPT) == expected  # and with the new, empty sidecar
+        # running is not serving yet (the sidecar has no readiness probe: its readiness is the pod's)
+        warm = wait_until(lambda: pod_json(name, STATUS_PORT, "/stats"), 60, "the restarted sidecar's /stats")
+        assert complete(vllm, PROMPT) == expected  # and with the restarted sidecar
+        served = pod_json(name, STATUS_PORT, "/stats")
+    assert warm["adopted"] > 0  # chunks saved before the kill, served again
+    assert served["hits"] > warm["hits"]
+    assert served["tiers"]["redis"]["hits"] == warm["tiers"]["redis"]["hits"]  # all from the arena
     assert container_status(after, "vllm")["restartCount"] == container_status(pod, "vllm")["restartCount"]
+
+
+def test_a_rollout_comes_up_warm_from_the_shared_tier(vllm_workload: str) -> None:
+    """The Deployment rolls (new pods, empty arenas): a conversation the old pods served loads as much
+    from kvpool on a new pod, through the shared Redis tier, with the same answer."""
+    old = vllm_pods()[0]["metadata"]["name"]
+    with port_forward(old, 8000) as vllm, port_forward(old, STATUS_PORT) as side:
+        answer = complete(vllm, ROLLOUT)
+        before = hit_tokens(vllm)
+        assert complete(vllm, ROLLOUT) == answer
+        old_hit = wait_until(lambda: (n := hit_tokens(vllm)) > before and n, 60, "the old pod's hit") - before
+        wait_until(lambda: get_json(side + "/stats")["tiers"]["redis"]["queued"] == 0, 60, "the write-behind")
+    kubectl("-n", NAMESPACE, "rollout", "restart", "deployment/vllm")
+    kubectl("-n", NAMESPACE, "rollout", "status", "deployment/vllm", "--timeout", "900s", timeout=960)
+    rolled = time.monotonic()
+    new = [p["metadata"]["name"] for p in vllm_pods()]
+    assert old not in new and len(new) == 2
+    with port_forward(new[0], 8000) as vllm:
+        assert complete(vllm, ROLLOUT) == answer
+        new_hit = wait_until(lambda: hit_tokens(vllm) or None, 60, "the new pod's hit")
+    print(f"rollout: {new_hit:.0f} tokens loaded on a new pod against {old_hit:.0f} on the old one, "
+          f"{time.monotonic() - rolled:.1f} s after the rollout was done")  # fmt: skip
+    assert new_hit >= 0.8 * old_hit, (new_hit, old_hit)
 
 
 def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(vllm_workload: str) -> None:
@@ -139,14 +173,14 @@ def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(vllm_workload: str) -> 
         s = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared").get("status", {})
         seen[:] = [s]
         ready = {c["type"]: c for c in s.get("conditions", [])}.get("Ready", {})
-        counted = s.get("readyPods") == 2 and float(s.get("stats", {}).get("hitRate") or 0) > 0
+        pods_counted = s.get("matchedPods") == s.get("readyPods") == 2  # the rollout's surge pod gone
+        counted = pods_counted and float(s.get("stats", {}).get("hitRate") or 0) > 0
         return s if counted and ready.get("status") == "True" else None
 
-    try:  # after the sidecar's restart the pool serves again once its /stats answers
-        s = wait_until(status, 120, "the pool Ready, with two ready pods and a hit rate")
+    try:  # after the sidecar's restart and the rollout the pool serves again once its /stats answers
+        wait_until(status, 120, "the pool Ready, with two matched and ready pods and a hit rate")
     except TimeoutError:
         raise AssertionError(f"last status: {seen}") from None
-    assert s["matchedPods"] == 2
     table = kubectl("-n", NAMESPACE, "get", "kvp", "shared")  # the scenarios' pools share the namespace
     header, row = table.splitlines()[:2]
     for column in ("BACKEND", "CAPACITY", "PODS", "READY", "HIT RATE"):
