@@ -9,17 +9,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtest import Gone, start_sidecar, wait_until
+from kvtest import Gone, Proc, start_sidecar, wait_until
 
 from kvpool_connector.keys import Namespace, chunk_keys
 from kvpool_connector.model_identity import weights_fingerprint
-from kvpool_demo.tinymodel import TINY
+from kvpool_demo.tinymodel import TINY, random_prompt
 from kvpool_sidecar.client import SidecarClient
 
 BLOCK = 32
@@ -109,6 +112,11 @@ class Engine:
     def go(self, label: str) -> None:
         Path(self.go_file(label)).touch()
 
+    def step(self, label: str) -> dict[str, Any]:
+        """Starts a run that waits for its go, and returns its first output once done."""
+        self.go(label)
+        return self.wait_done(label)["outputs"][0]
+
     def result(self, label: str) -> dict[str, Any]:
         runs = json.loads(self.out.read_text())["runs"]
         return next(r for r in runs if r["label"] == label)
@@ -145,6 +153,41 @@ def engine_spec(
         "runs": runs,
         **kw,
     }
+
+
+STEPPED_WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=59)], "max_tokens": 2}
+
+
+def stepped_engine(
+    d: Path, name: str, model: Path, url: str, runs: dict[str, list[int]], returning: Collection[str] = ()
+) -> Engine:
+    """An engine (prefix caching on) whose runs (label: prompt) each wait for the test's go
+    (Engine.step), so the test changes the world between them; a run in `returning` first resets
+    vLLM's own prefix cache, so what it reuses comes from kvpool."""
+    engine = Engine(d, name, {})
+    specs = []
+    for label, prompt in runs.items():
+        run = {"label": label, "prompts": [prompt], "max_tokens": 6, "wait_for": engine.go_file(label)}
+        if label in returning:
+            run["reset_prefix_cache"] = "engine"
+        specs.append(run)
+    connector = kvpool_connector(url, timeout_ms=1000)
+    engine.spec = engine_spec(model, connector, [STEPPED_WARMUP, *specs], enable_prefix_caching=True)
+    return engine
+
+
+def kill_sidecar_mid_save(engine: Engine, label: str, sidecar: Proc, restart: Callable[[], Proc]) -> Proc:
+    """Starts run `label`, SIGKILLs `sidecar` once the run's first chunks are saved (a crash mid-save)
+    and returns restart()'s sidecar; its info["killed_at"] is when (time.monotonic())."""
+    client = SidecarClient(sidecar.info["url"], timeout=5)
+    saved = client.stats()["bytes_in"]
+    engine.go(label)
+    wait_until(lambda: client.stats()["bytes_in"] > saved, 120, f"{label}'s first chunks saved")
+    sidecar.stop(signal.SIGKILL)
+    killed_at = time.monotonic()
+    again = restart()
+    again.info["killed_at"] = killed_at
+    return again
 
 
 # --- served against references: hybrid and windowed models, whose hits run in other step shapes ---

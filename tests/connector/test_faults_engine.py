@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import Engine, engine_spec, kvpool_connector, prompt_keys
+from enginekit import Engine, kill_sidecar_mid_save, prompt_keys, stepped_engine
 from kvtest import RedisServer, free_port, redis_call, start_sidecar, wait_until
 
 from kvpool_demo.tinymodel import random_prompt
@@ -26,24 +26,11 @@ pytestmark = pytest.mark.engine
 
 PROMPTS = {name: random_prompt(600, 512, seed=50 + i) for i, name in enumerate("ABCDE")}
 POD = ("--keep-arena",)  # as the operator runs the pod's sidecar: a restart reuses the arena file
-WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=59)], "max_tokens": 2}
 
 
 def _engine(d: Path, name: str, model: Path, url: str, labels: dict[str, str]) -> Engine:
-    """An engine (prefix caching on) whose runs (label: prompt name) each wait for the test's go."""
-    engine = Engine(d, name, {})
-    runs = [
-        {"label": label, "prompts": [PROMPTS[p]], "max_tokens": 6, "wait_for": engine.go_file(label)}
-        for label, p in labels.items()
-    ]
-    connector = kvpool_connector(url, timeout_ms=1000)
-    engine.spec = engine_spec(model, connector, [WARMUP, *runs], enable_prefix_caching=True)
-    return engine
-
-
-def _run(engine: Engine, label: str) -> dict[str, Any]:
-    engine.go(label)
-    return engine.wait_done(label)["outputs"][0]
+    """An engine whose runs (label: prompt name) each wait for the test's go."""
+    return stepped_engine(d, name, model, url, {label: PROMPTS[p] for label, p in labels.items()})
 
 
 @pytest.fixture(scope="module")
@@ -62,33 +49,30 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
     try:
         ref = _engine(d, "ref", tiny_model, clean.info["url"], {p: p for p in PROMPTS})
         engines.append(ref.start())
-        s["cold"] = {p: _run(ref, p) for p in PROMPTS}
+        s["cold"] = {p: ref.step(p) for p in PROMPTS}
         ref.finish()
 
         a = _engine(d, "a", tiny_model, pod.info["url"], {"A": "A", "restart": "B", "slow": "C", "D": "D"})
         engines.append(a.start())
         a.wait_done("warmup")
-        s["A"] = _run(a, "A")
+        s["A"] = a.step("A")
         # the pod's sidecar is killed while B's chunks are being saved, and comes back at once
-        client = SidecarClient(pod.info["url"], timeout=5)
-        before = client.stats()["bytes_in"]
-        a.go("restart")
-        wait_until(lambda: client.stats()["bytes_in"] > before, 120, "B's first chunks saved")
-        pod.stop(signal.SIGKILL)
-        pod = start_sidecar(d / "pod", "64Mi", [redis.url], *POD, port=pod.info["port"])
+        port = pod.info["port"]
+        restart = lambda: start_sidecar(d / "pod", "64Mi", [redis.url], *POD, port=port)  # noqa: E731
+        pod = kill_sidecar_mid_save(a, "restart", pod, restart)
         s["restart"] = a.wait_done("restart")["outputs"][0]
         # every reservation expires before its commit: a writer slower than its lease (1 µs: less
         # than one loopback round trip, so no writer on any machine is fast enough; 1 ms was not)
         pod.stop()
         lease = ["--lease-seconds", "0.000001"]
         pod = start_sidecar(d / "pod", "64Mi", [redis.url], *POD, *lease, port=pod.info["port"])
-        s["slow"] = _run(a, "slow")
+        s["slow"] = a.step("slow")
         slow_pod = SidecarClient(pod.info["url"], timeout=5)
         s["slow_stats"] = slow_pod.stats()
         s["slow_chunks"] = {k: slow_pod.get(k) for k in prompt_keys(tiny_model, PROMPTS["C"])}
         pod.stop()
         pod = start_sidecar(d / "pod", "64Mi", [redis.url], *POD, port=pod.info["port"])
-        s["D"] = _run(a, "D")
+        s["D"] = a.step("D")
         flushed = lambda: SidecarClient(pod.info["url"]).stats()["tiers"]["redis"]["queued"] == 0  # noqa: E731
         wait_until(flushed, 60, "the write-behind of D")
         a.finish()
@@ -97,7 +81,7 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         b = _engine(d, "b", tiny_model, fresh.info["url"], {"A": "A", "evicted": "D", "hung": "E"})
         engines.append(b.start())
         b.wait_done("warmup")
-        s["b_A"] = _run(b, "A")  # from Redis, promoted into this pod's arena
+        s["b_A"] = b.step("A")  # from Redis, promoted into this pod's arena
         # Redis runs out of memory and evicts half of what it holds
         used = _info(redis.port, "memory", "used_memory")
         redis_call(redis.port, "CONFIG", "SET", "maxmemory", str(used // 2))
@@ -105,10 +89,10 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         s["evicted_keys"] = _info(redis.port, "stats", "evicted_keys")
         middle = chunk_key(prompt_keys(tiny_model, PROMPTS["D"])[4])
         redis_call(redis.port, "DEL", middle)  # and D's fifth chunk, at least, is one of them
-        s["evicted"] = _run(b, "evicted")
+        s["evicted"] = b.step("evicted")
         redis.proc.popen.send_signal(signal.SIGSTOP)  # Redis hangs
         try:
-            s["hung"] = _run(b, "hung")
+            s["hung"] = b.step("hung")
             s["hung_redis"] = SidecarClient(fresh.info["url"], timeout=5).stats()["tiers"]["redis"]
         finally:
             redis.proc.popen.send_signal(signal.SIGCONT)
@@ -119,7 +103,7 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         small = start_sidecar(d / "small", "64Mi", [], "--max-chunk-bytes", "65536")
         c = _engine(d, "c", tiny_model, small.info["url"], {"A": "A"})
         engines.append(c.start())
-        s["oversized"] = _run(c, "A")
+        s["oversized"] = c.step("A")
         c.finish()
         s["oversized_log"] = c.log.read_text(errors="replace")
         s["small"] = SidecarClient(small.info["url"], timeout=5).stats()

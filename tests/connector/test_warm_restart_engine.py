@@ -12,14 +12,13 @@ prefill in steps of one chunk, one request at a time).
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import Engine, engine_spec, kvpool_connector
-from kvtest import start_sidecar, wait_until
+from enginekit import Engine, kill_sidecar_mid_save, stepped_engine
+from kvtest import start_sidecar
 
 from kvpool_demo.tinymodel import random_prompt
 from kvpool_sidecar.client import SidecarClient
@@ -28,28 +27,12 @@ pytestmark = pytest.mark.engine
 
 PROMPTS = {name: random_prompt(600, 512, seed=70 + i) for i, name in enumerate("ABCDE")}
 POD = ("--keep-arena",)  # as the operator runs the pod's sidecar
-WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=79)], "max_tokens": 2}
-
-
-def _run(label: str, prompt: str, *, returning: bool, engine: Engine) -> dict[str, Any]:
-    run: dict[str, Any] = {"label": label, "prompts": [PROMPTS[prompt]], "max_tokens": 6}
-    run["wait_for"] = engine.go_file(label)
-    if returning:
-        run["reset_prefix_cache"] = "engine"  # what it reuses then comes from kvpool
-    return run
 
 
 def _engine(d: Path, name: str, model: Path, url: str, runs: list[tuple[str, str, bool]]) -> Engine:
-    engine = Engine(d, name, {})
-    specs = [_run(label, p, returning=r, engine=engine) for label, p, r in runs]
-    connector = kvpool_connector(url, timeout_ms=1000)
-    engine.spec = engine_spec(model, connector, [WARMUP, *specs], enable_prefix_caching=True)
-    return engine
-
-
-def _go(engine: Engine, label: str) -> dict[str, Any]:
-    engine.go(label)
-    return engine.wait_done(label)["outputs"][0]
+    """An engine whose runs (label, prompt name, returning) each wait for the test's go."""
+    prompts = {label: PROMPTS[p] for label, p, _ in runs}
+    return stepped_engine(d, name, model, url, prompts, returning={label for label, _, r in runs if r})
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +52,16 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         a = _engine(d, "a", tiny_model, pod.info["url"], cold + returning)
         engines.append(a.start())
         a.wait_done("warmup")
-        s["cold"] = {p: _go(a, p) for p in "ABCD"}
-        s["before"] = _go(a, "before")
+        s["cold"] = {p: a.step(p) for p in "ABCD"}
+        s["before"] = a.step("before")
         # the sidecar is killed while E's chunks are being saved, and its container starts again
-        client = SidecarClient(pod.info["url"], timeout=5)
-        saved = client.stats()["bytes_in"]
-        a.go("kill")
-        wait_until(lambda: client.stats()["bytes_in"] > saved, 120, "E's first chunks saved")
-        pod.stop(signal.SIGKILL)
-        restarted = time.monotonic()
-        pod = start_sidecar(d / "pod", "64Mi", [], *POD, port=pod.info["port"])
+        port = pod.info["port"]
+        restart = lambda: start_sidecar(d / "pod", "64Mi", [], *POD, port=port)  # noqa: E731
+        pod = kill_sidecar_mid_save(a, "kill", pod, restart)
         s["kill"] = a.wait_done("kill")["outputs"][0]
-        s["after-B"] = _go(a, "after-B")
-        s["seconds_to_hit"] = time.monotonic() - restarted
-        s["after-C"] = _go(a, "after-C")
+        s["after-B"] = a.step("after-B")
+        s["seconds_to_hit"] = time.monotonic() - pod.info["killed_at"]
+        s["after-C"] = a.step("after-C")
         s["restarted_stats"] = SidecarClient(pod.info["url"], timeout=5).stats()
         a.finish()
 
@@ -90,8 +69,8 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         b = _engine(d, "b", tiny_model, pod.info["url"], [("first", "D", False), ("second", "A", False)])
         engines.append(b.start())
         b.wait_done("warmup")
-        s["b-first"] = _go(b, "first")
-        s["b-second"] = _go(b, "second")
+        s["b-first"] = b.step("first")
+        s["b-second"] = b.step("second")
         b.finish()
         s["logs"] = "".join(e.log.read_text(errors="replace") for e in engines)
         yield s
