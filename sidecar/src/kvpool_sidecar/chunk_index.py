@@ -199,7 +199,7 @@ class ChunkIndex:
         self._prefixes_held -= len(e.prefixes) - len(mine)
         e.prefixes = mine
         if self.journal is not None:
-            self.journal.stored(_record(e))
+            self.journal.stored(e)
             self._compact_journal()
 
     def adopt(self, records: Sequence[Record]) -> int:
@@ -218,9 +218,9 @@ class ChunkIndex:
         self.counters.adopted += adopted
         return adopted
 
-    def held(self) -> list[Record]:
-        """The records of every stored chunk (what the journal is rewritten with)."""
-        return [_record(e) for lru in self._lru.values() for e in lru.values()]
+    def held(self) -> list[Entry]:
+        """Every stored chunk (what the journal is rewritten with)."""
+        return [e for lru in self._lru.values() for e in lru.values()]
 
     def _compact_journal(self) -> None:
         if self.journal is not None and self.journal.due():
@@ -307,7 +307,7 @@ class ChunkIndex:
             self._unlink(e)
             self.stored_bytes -= e.length
             if self.journal is not None:  # on file before the extent can go to another writer
-                self.journal.dropped(_record(e))
+                self.journal.dropped(e)
                 self._compact_journal()
         if e.pins == 0:
             self._alloc.free(e.offset, e.length)
@@ -399,7 +399,3 @@ class ChunkIndex:
             "pinned_leases": len(self._leases),
             "free_bytes": self._alloc.free_bytes,
         }
-
-
-def _record(e: Entry) -> Record:
-    return Record(e.key, e.offset, e.length, e.checksum, e.priority)

@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,21 @@ RECORD = struct.Struct("<BQQQiH")
 CRC = struct.Struct("<I")
 STORED, DROPPED = 1, 2
 MIN_COMPACT_BYTES = 64 * 1024  # below this a rewrite is not worth its copy
+
+
+class Chunk(Protocol):
+    """What a record says of a chunk (the index's entries have it, and so do records)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def checksum(self) -> int: ...
+    @property
+    def priority(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +66,7 @@ def budget_bytes(capacity: int) -> int:
     return capacity // 256 + 2**20
 
 
-def encode(kind: int, record: Record) -> bytes:
+def encode(kind: int, record: Chunk) -> bytes:
     raw = record.key.encode("ascii")
     body = RECORD.pack(kind, record.offset, record.length, record.checksum, record.priority, len(raw)) + raw
     return body + CRC.pack(zlib.crc32(body))
@@ -108,7 +124,7 @@ class Journal:
         finally:
             os.close(fd)
 
-    def rewrite(self, held: Iterable[Record]) -> None:
+    def rewrite(self, held: Iterable[Chunk]) -> None:
         """Starts the file afresh with the records of `held` (a new file renamed over the old one, so a
         kill mid-rewrite leaves the old one whole); gives the journal up when they exceed the budget."""
         data = b"".join(encode(STORED, r) for r in held)
@@ -133,14 +149,15 @@ class Journal:
         self.close()
         self._fd, self._size, self._live = fd, len(data), len(data)
 
-    def stored(self, record: Record) -> None:
-        rec = encode(STORED, record)
+    def stored(self, chunk: Chunk) -> None:
+        rec = encode(STORED, chunk)
         self._live += len(rec)
         self._append(rec)
 
-    def dropped(self, record: Record) -> None:
-        self._live -= len(encode(STORED, record))
-        self._append(encode(DROPPED, record))
+    def dropped(self, chunk: Chunk) -> None:
+        rec = encode(DROPPED, chunk)
+        self._live -= len(rec)  # its stored record's size: the same fields
+        self._append(rec)
 
     def due(self) -> bool:
         """Whether the file has grown to twice its live records: time to rewrite it."""
