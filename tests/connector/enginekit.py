@@ -159,21 +159,28 @@ STEPPED_WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=59
 
 
 def stepped_engine(
-    d: Path, name: str, model: Path, url: str, runs: dict[str, list[int]], returning: Collection[str] = ()
+    d: Path,
+    name: str,
+    model: Path,
+    url: str,
+    runs: dict[str, list[int]],
+    returning: Collection[str] = (),
+    **engine: Any,
 ) -> Engine:
-    """An engine (prefix caching on) whose runs (label: prompt) each wait for the test's go
-    (Engine.step), so the test changes the world between them; a run in `returning` first resets
-    vLLM's own prefix cache, so what it reuses comes from kvpool."""
-    engine = Engine(d, name, {})
+    """An engine (prefix caching on, `engine` over engine_spec's settings) whose runs (label: prompt)
+    each wait for the test's go (Engine.step), so the test changes the world between them; a run in
+    `returning` first resets vLLM's own prefix cache, so what it reuses comes from kvpool."""
+    e = Engine(d, name, {})
     specs = []
     for label, prompt in runs.items():
-        run = {"label": label, "prompts": [prompt], "max_tokens": 6, "wait_for": engine.go_file(label)}
+        run = {"label": label, "prompts": [prompt], "max_tokens": 6, "wait_for": e.go_file(label)}
         if label in returning:
             run["reset_prefix_cache"] = "engine"
         specs.append(run)
     connector = kvpool_connector(url, timeout_ms=1000)
-    engine.spec = engine_spec(model, connector, [STEPPED_WARMUP, *specs], enable_prefix_caching=True)
-    return engine
+    settings = {"enable_prefix_caching": True, **engine}
+    e.spec = engine_spec(model, connector, [STEPPED_WARMUP, *specs], **settings)
+    return e
 
 
 def kill_sidecar_mid_save(engine: Engine, label: str, sidecar: Proc, restart: Callable[[], Proc]) -> Proc:

@@ -3,7 +3,8 @@
 - the pod's sidecar killed with SIGKILL while a prompt's chunks are being saved, and started again
   on the same arena (as the kubelet restarts a container in its pod): the engine's next returning
   prompts load as much from kvpool as before the kill;
-- vLLM itself restarted (a new engine process, same weights): its first returning prompt hits.
+- vLLM itself restarted (a new engine process, the same weights, other flags: max_model_len and KV
+  size): its first returning prompt hits.
 
 What vLLM's own prefix cache holds is reset before each returning prompt, so every cached token
 counted is one kvpool served; every output equals the cold run's, bit for bit (the same step shapes:
@@ -29,10 +30,13 @@ PROMPTS = {name: random_prompt(600, 512, seed=70 + i) for i, name in enumerate("
 POD = ("--keep-arena",)  # as the operator runs the pod's sidecar
 
 
-def _engine(d: Path, name: str, model: Path, url: str, runs: list[tuple[str, str, bool]]) -> Engine:
+def _engine(
+    d: Path, name: str, model: Path, url: str, runs: list[tuple[str, str, bool]], **engine: Any
+) -> Engine:
     """An engine whose runs (label, prompt name, returning) each wait for the test's go."""
     prompts = {label: PROMPTS[p] for label, p, _ in runs}
-    return stepped_engine(d, name, model, url, prompts, returning={label for label, _, r in runs if r})
+    returning = {label for label, _, r in runs if r}
+    return stepped_engine(d, name, model, url, prompts, returning, **engine)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +69,10 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         s["restarted_stats"] = SidecarClient(pod.info["url"], timeout=5).stats()
         a.finish()
 
-        # vLLM restarted: a new engine process on the same sidecar, its own prefix cache empty
-        b = _engine(d, "b", tiny_model, pod.info["url"], [("first", "D", False), ("second", "A", False)])
+        # vLLM restarted with new flags, the same weights: a new engine process on the same sidecar,
+        # its own prefix cache empty
+        b = _engine(d, "b", tiny_model, pod.info["url"], [("first", "D", False), ("second", "A", False)],
+                    max_model_len=1024, kv_cache_bytes=32 << 20)  # fmt: skip
         engines.append(b.start())
         b.wait_done("warmup")
         s["b-first"] = b.step("first")
