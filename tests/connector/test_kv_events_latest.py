@@ -28,9 +28,9 @@ def _hashes(request: Any) -> list[Any]:
     return [maybe_convert_block_hash(h) for h in request.block_hashes]
 
 
-def _cpu(batches: list[Any]) -> list[Any]:
+def _cpu(batches: list[Any], medium: str = "CPU") -> list[Any]:
     """kvpool's (vLLM's own blocks are medium GPU)."""
-    return [e for b in batches for e in b.events if e.medium == "CPU"]
+    return [e for b in batches for e in b.events if e.medium == medium]
 
 
 def test_chunks_are_announced_when_their_step_has_run(tiny_model, sidecar) -> None:
@@ -69,3 +69,16 @@ def test_a_connector_reset_withdraws_what_was_announced(tiny_model, sidecar) -> 
     s.update_from_output(so, model_output(s, so))
     removed = [e for e in _cpu(batches) if isinstance(e, BlockRemoved)]
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes[0:4])
+
+
+def test_the_medium_is_the_pools_to_name(tiny_model, sidecar) -> None:
+    """kv_events_medium (the pool's extraConfig) names kvpool's tier for a router configured for it."""
+    url, _ = sidecar
+    s = make_scheduler(tiny_model, url, prefix_caching=True, kv_events=True, kv_events_medium="KVPOOL")
+    batches = _published(s)
+    req = make_request(prompt(64, 4))
+    s.add_request(req)
+    so = s.schedule()
+    s.update_from_output(so, model_output(s, so))
+    assert [e.block_hashes for e in _cpu(batches, "KVPOOL")] == [_hashes(req)[0:2], _hashes(req)[2:4]]
+    assert _cpu(batches) == []

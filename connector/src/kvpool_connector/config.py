@@ -26,6 +26,7 @@ class KVPoolConfig:
     timeout_ms: int = 1000
     pool: str | None = None
     model_fingerprint: str | None = None  # names the weights instead of reading them (see model_identity)
+    kv_events_medium: str = "CPU"  # the medium of kvpool's KV cache events (see kv_events.py)
 
 
 # key -> (accepted types, check on the value or None, what a valid value is)
@@ -42,6 +43,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "timeout_ms": (_INT, lambda v: v > 0, "a positive integer"),
     "pool": ((str, type(None)), None, "a string or null"),
     "model_fingerprint": ((str, type(None)), lambda v: v is None or bool(v), "a non-empty string or null"),
+    "kv_events_medium": ((str,), bool, "a non-empty string"),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(KVPoolConfig)}
 

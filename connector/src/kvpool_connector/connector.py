@@ -107,7 +107,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             windows = [out_of_window(g.kv_cache_spec) for g in groups]
             bs = namespace.block_size
             events = (
-                KVPoolEvents(bs, hash_block_size(vllm_config, kv_cache_config, bs))
+                KVPoolEvents(bs, hash_block_size(vllm_config, kv_cache_config, bs), self.cfg.kv_events_medium)
                 if events_enabled(vllm_config)
                 else None
             )

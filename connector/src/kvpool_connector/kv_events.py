@@ -24,8 +24,9 @@ from .spans import Span
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-# The medium vLLM's own OffloadingConnector names its CPU tier with: routers weight it as a pod's CPU
-# tier out of the box (llm-d's defaults: gpu 1.0, cpu 0.8), a name of kvpool's own only once configured.
+# The default medium (kv_events_medium): the one vLLM's own OffloadingConnector names its CPU tier
+# with, which routers weight as a pod's CPU tier out of the box (llm-d's defaults: gpu 1.0, cpu 0.8);
+# a name of kvpool's own (e.g. KVPOOL) counts once the router is given a weight for it.
 MEDIUM = MEDIUM_CPU
 MAX_ANNOUNCED = 8192  # chunk parts announced and remembered: about 1 KiB each with 16 blocks a chunk
 MAX_STEPS = 64  # steps planned, not yet run (a pipeline keeps a few in flight)
@@ -58,8 +59,9 @@ def hash_block_size(vllm_config: Any, kv_cache_config: Any, block_size: int) -> 
 
 
 class KVPoolEvents:
-    def __init__(self, block_size: int, hash_block_size: int):
+    def __init__(self, block_size: int, hash_block_size: int, medium: str = MEDIUM):
         self.block_size = block_size
+        self.medium = medium
         # each KV block's hash is the last of its hash blocks' (each chains over its whole prefix)
         self.scale = max(1, block_size // hash_block_size) if block_size % hash_block_size == 0 else 0
         self._next: list[tuple[Held, BlockStored]] = []  # found or saved by the step being planned
@@ -84,11 +86,11 @@ class KVPoolEvents:
         """A lookup missed the chunk of chain link `link` in `groups`: withdraw what was announced."""
         for g in groups:
             if (held := self._announced.pop(group_link(link, g), None)) is not None:
-                self._removed.append(_removed(held))
+                self._removed.append(self._withdrawn(held))
 
     def reset(self) -> None:
         """Nothing saved before is found again (a new key generation): withdraw everything."""
-        self._removed += [_removed(h) for h in self._announced.values()]
+        self._removed += [self._withdrawn(h) for h in self._announced.values()]
         self._announced.clear()
         self._next.clear()
         for step in self._planned:  # steps in flight keep their places: take() pairs them in order
@@ -104,8 +106,11 @@ class KVPoolEvents:
             self._announced[held.link] = held
             events.append(stored)
             if len(self._announced) > MAX_ANNOUNCED:
-                events.append(_removed(self._announced.popitem(last=False)[1]))
+                events.append(self._withdrawn(self._announced.popitem(last=False)[1]))
         return events
+
+    def _withdrawn(self, held: Held) -> BlockRemoved:
+        return BlockRemoved(block_hashes=list(held.hashes), medium=self.medium, group_idx=held.group)
 
     def _stored(self, request: Request, span: Span) -> BlockStored | None:
         """The event for `span`'s blocks, or None where vLLM has no hashes for them (prefix caching
@@ -126,7 +131,7 @@ class KVPoolEvents:
             token_ids=list(request.all_token_ids[span[0] : span[1]]),
             block_size=bs,
             lora_id=lora.adapter_id if lora else None,
-            medium=MEDIUM,
+            medium=self.medium,
             lora_name=lora.name if lora else None,
             extra_keys=_extra_keys(request, span, bs),
         )
@@ -134,10 +139,6 @@ class KVPoolEvents:
 
 def _with_group(stored: BlockStored, group: int) -> BlockStored:
     return msgspec.structs.replace(stored, group_idx=group)
-
-
-def _removed(held: Held) -> BlockRemoved:
-    return BlockRemoved(block_hashes=list(held.hashes), medium=MEDIUM, group_idx=held.group)
 
 
 def _extra_keys(request: Request, span: Span, bs: int) -> list[Any] | None:
