@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from kvpool_sidecar.side_files import write_all, write_atomically
+
 log = logging.getLogger(__name__)
 
 JOURNAL_FILE = "arena.journal"
@@ -125,24 +127,15 @@ class Journal:
             os.close(fd)
 
     def rewrite(self, held: Iterable[Chunk]) -> None:
-        """Starts the file afresh with the records of `held` (a new file renamed over the old one, so a
-        kill mid-rewrite leaves the old one whole); gives the journal up when they exceed the budget."""
+        """Starts the file afresh with the records of `held`; gives the journal up when they exceed
+        the budget."""
         data = b"".join(encode(STORED, r) for r in held)
         if len(data) > self.budget:
             self.give_up(f"{len(data)} bytes of records exceed its budget of {self.budget}")
             return
-        tmp = self.path.with_name(self.path.name + ".new")
-        try:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(tmp, flags, 0o600)
-            try:
-                _write_all(fd, data)
-                os.replace(tmp, self.path)
-            except BaseException:
-                os.close(fd)
-                raise
+        try:  # whole or not at all: a kill mid-rewrite leaves the old file
+            write_atomically(self.path, data, 0o600)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             self.give_up(f"cannot write it: {e}")
             return
@@ -170,7 +163,7 @@ class Journal:
             self.give_up(f"it would pass its budget of {self.budget} bytes")
             return
         try:
-            _write_all(self._fd, rec)
+            write_all(self._fd, rec)
         except OSError as e:
             self.give_up(f"cannot append to it: {e}")
             return
@@ -190,9 +183,3 @@ class Journal:
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]

@@ -16,11 +16,22 @@ def write_atomically(path: Path, data: bytes, mode: int) -> int:
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)  # the umask may have narrowed it
-        os.write(fd, data)
+        write_all(fd, data)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()  # a full tmpfs keeps no half-written file
+        raise
     finally:
         os.close(fd)
-    os.replace(temp, path)
     return path.lstat().st_ino
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """os.write until all of `data` is written (one call may write less)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def remove_if_same(path: Path, inode: int) -> None:

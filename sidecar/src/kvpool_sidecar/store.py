@@ -76,11 +76,11 @@ class Store:
             and checksum(self.arena.view[r.offset : r.offset + r.length]) == r.checksum
         ]
         adopted = self.index.adopt(whole)
-        self.counters.adoption_refused += len(records) - adopted
+        refused = len(records) - adopted
+        self.counters.adoption_refused += refused
         journal.rewrite(self.index.held())
         self.index.journal = journal
         if records:
-            refused = len(records) - adopted
             log.info("adopted %d chunks from the arena; %d torn or overwritten were not", adopted, refused)
 
     def _check_arena(self) -> None:
