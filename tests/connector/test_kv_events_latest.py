@@ -12,8 +12,10 @@ pytestmark = pytest.mark.vllm_latest
 
 vllm = pytest.importorskip("vllm")
 from schedkit import make_request, make_scheduler, model_output, prompt, saves_of  # noqa: E402
-from vllm.distributed.kv_events import BlockRemoved, BlockStored  # noqa: E402
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored  # noqa: E402
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
+
+from kvpool_connector.config import KVPoolConfig  # noqa: E402
 
 
 def _published(scheduler: Any) -> list[Any]:
@@ -72,7 +74,9 @@ def test_a_connector_reset_withdraws_what_was_announced(tiny_model, sidecar) -> 
 
 
 def test_the_medium_is_the_pools_to_name(tiny_model, sidecar) -> None:
-    """kv_events_medium (the pool's extraConfig) names kvpool's tier for a router configured for it."""
+    """kv_events_medium (the pool's extraConfig) names kvpool's tier for a router configured for it;
+    by default it is vLLM's own name of a CPU tier."""
+    assert KVPoolConfig().kv_events_medium == MEDIUM_CPU
     url, _ = sidecar
     s = make_scheduler(tiny_model, url, prefix_caching=True, kv_events=True, kv_events_medium="KVPOOL")
     batches = _published(s)

@@ -26,7 +26,10 @@ class KVPoolConfig:
     timeout_ms: int = 1000
     pool: str | None = None
     model_fingerprint: str | None = None  # names the weights instead of reading them (see model_identity)
-    kv_events_medium: str = "CPU"  # the medium of kvpool's KV cache events (see kv_events.py)
+    # The medium of kvpool's KV cache events (kv_events.py): by default vLLM's MEDIUM_CPU, what its own
+    # OffloadingConnector names its CPU tier and routers weight out of the box (llm-d: gpu 1.0, cpu
+    # 0.8); a name of kvpool's own (e.g. KVPOOL) counts once the router is given a weight for it.
+    kv_events_medium: str = "CPU"
 
 
 # key -> (accepted types, check on the value or None, what a valid value is)

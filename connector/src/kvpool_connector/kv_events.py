@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 
 from .keys import group_link
 from .spans import Span
@@ -24,10 +24,6 @@ from .spans import Span
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-# The default medium (kv_events_medium): the one vLLM's own OffloadingConnector names its CPU tier
-# with, which routers weight as a pod's CPU tier out of the box (llm-d's defaults: gpu 1.0, cpu 0.8);
-# a name of kvpool's own (e.g. KVPOOL) counts once the router is given a weight for it.
-MEDIUM = MEDIUM_CPU
 MAX_ANNOUNCED = 8192  # chunk parts announced and remembered: about 1 KiB each with 16 blocks a chunk
 MAX_STEPS = 64  # steps planned, not yet run (a pipeline keeps a few in flight)
 
@@ -59,7 +55,8 @@ def hash_block_size(vllm_config: Any, kv_cache_config: Any, block_size: int) -> 
 
 
 class KVPoolEvents:
-    def __init__(self, block_size: int, hash_block_size: int, medium: str = MEDIUM):
+    def __init__(self, block_size: int, hash_block_size: int, medium: str):
+        """medium: what the events name kvpool's tier (the connector's kv_events_medium)."""
         self.block_size = block_size
         self.medium = medium
         # each KV block's hash is the last of its hash blocks' (each chains over its whole prefix)
