@@ -59,6 +59,11 @@ def test_bad_flag_values_exit_with_a_message(capsys) -> None:
         with pytest.raises(SystemExit):
             parse_settings(argv, {})
         assert "capacity" in capsys.readouterr().err or "lease" in argv[0]
+    with pytest.raises(SystemExit):  # a pre-warm reads the Redis tier: without one it is a mistake
+        parse_settings(["--prewarm-bytes", "1Gi"], {})
+    assert "--redis-url" in capsys.readouterr().err
+    with_redis = parse_settings(["--prewarm-bytes", "1Gi"], {"KVPOOL_REDIS_URL": "redis://a:1/0"})
+    assert with_redis.prewarm_bytes == 2**30
 
 
 def test_status_port_serves_only_the_read_only_routes(api) -> None:

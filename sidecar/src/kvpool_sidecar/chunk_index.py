@@ -136,16 +136,17 @@ class ChunkIndex:
         protect: set[str],
         group: str | None = None,
         prefixes: Sequence[str] = (),
+        evict: bool = True,
     ) -> Entry | None:
         """A reservation of `length` bytes for `key`; None when the key is stored or being written
         (a stored one counts as used now: a hot prefix saved again stays recent), or no room even
-        after evicting what is not in `protect`."""
+        after evicting what is not in `protect` (evict=False: no room without evicting)."""
         e = self._entries.get(key)
         if e is not None:
             if e.stored:
                 self.touch(e)
             return None
-        offset = self._allocate(length, protect)
+        offset = self._allocate(length, protect, evict)
         if offset is None:
             return None
         kept = tuple(prefixes[: max(0, self.max_chunks - self._prefixes_held)])
@@ -338,14 +339,14 @@ class ChunkIndex:
         self.counters.evictions += 1
         return True
 
-    def _allocate(self, length: int, protect: set[str]) -> int | None:
+    def _allocate(self, length: int, protect: set[str], evict: bool = True) -> int | None:
         if self._alloc.footprint(length) > self.capacity:
             return None
         while len(self._entries) >= self.max_chunks:
-            if not self._evict(protect):
+            if not evict or not self._evict(protect):
                 return None
         while (offset := self._alloc.alloc(length)) is None:
-            if not self._evict(protect):
+            if not evict or not self._evict(protect):
                 return None
         return offset
 
@@ -367,12 +368,14 @@ class ChunkIndex:
 
     # --- promotions from a lower tier ---------------------------------------------------------------
 
-    def reserve_promotion(self, key: str, length: int, priority: int, protect: set[str]) -> Entry | None:
+    def reserve_promotion(
+        self, key: str, length: int, priority: int, protect: set[str], evict: bool = True
+    ) -> Entry | None:
         """Room for a chunk being promoted (a reservation no client can commit: its generation is
         never handed out)."""
         if key in self._entries:
             return None
-        return self.reserve(key, length, priority, protect)
+        return self.reserve(key, length, priority, protect, evict=evict)
 
     # --- observation -------------------------------------------------------------------------------
 

@@ -73,8 +73,11 @@ REDIS_STATS = (
     counter("auth_failures", "Redis tier: chunks whose MAC failed (never promoted, deleted)"),
     gauge("authenticated", "Redis tier: 1 when chunks carry a MAC (a pool key is set)"),
     counter("bytes_read", "Redis tier: bytes read from Redis"),
+    counter("hot_reported", "Redis tier: chunk loads counted into the pool's hot set"),
+    gauge("prewarmed", "Redis tier: chunks pre-warmed into the CPU tier at start"),
+    gauge("prewarmed_bytes", "Redis tier: bytes pre-warmed into the CPU tier at start"),
 )
-REDIS_TEXT_KEYS = ("reason",)
+REDIS_TEXT_KEYS = ("reason", "prewarm")
 
 MISS_RATIO_PREFIX = "kvpool_miss_ratio_"
 # /stats' miss_ratio (MissRatioCurve.snapshot); its "curve", a list of points, is one labelled family

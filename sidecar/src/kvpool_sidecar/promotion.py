@@ -30,6 +30,7 @@ class LowerTier(Protocol):
 
     def usable(self) -> bool: ...
     def saved(self, key: str, length: int, group: str | None) -> None: ...
+    def loaded(self, keys: Sequence[str]) -> None: ...
     def deleted(self, key: str) -> None: ...
     def exists_many(self, keys: Sequence[str]) -> list[bool]: ...
     def fetch(self, key: str) -> Fetched | None: ...
@@ -47,15 +48,19 @@ class Promotions:
         self._lock = lock
         self._promoting: dict[str, threading.Event] = {}  # key -> set when its promotion ends
 
-    def promote_into(self, lower: LowerTier | None, keys: Sequence[str], lease: Lease) -> None:
-        """Loads chunks from the lower tier into the arena, pinned under the caller's lease."""
+    def promote_into(
+        self, lower: LowerTier | None, keys: Sequence[str], lease: Lease, within: int | None = None
+    ) -> None:
+        """Loads chunks from the lower tier into the arena, pinned under the caller's lease, until the
+        first that cannot be. within: only into free room (evicting nothing), and only a chunk of at
+        most that many bytes."""
         if lower is None or not lower.usable():
             return
         for key in keys:
-            if not self._promote(lower, key, lease):
+            if not self._promote(lower, key, lease, within):
                 return
 
-    def _promote(self, lower: LowerTier, key: str, lease: Lease) -> bool:
+    def _promote(self, lower: LowerTier, key: str, lease: Lease, within: int | None) -> bool:
         """Pins `key` from the lower tier into the arena. A second promotion of the same key waits for
         the first and takes its result instead of failing."""
         while True:
@@ -72,15 +77,15 @@ class Promotions:
             if not running.wait(self.lease_seconds):
                 return False
         try:
-            return self._promote_now(lower, key, lease)
+            return self._promote_now(lower, key, lease, within)
         finally:
             with self._lock:
                 del self._promoting[key]
             done.set()
 
-    def _promote_now(self, lower: LowerTier, key: str, lease: Lease) -> bool:
+    def _promote_now(self, lower: LowerTier, key: str, lease: Lease, within: int | None) -> bool:
         fetched = lower.fetch(key)
-        if fetched is None:
+        if fetched is None or (within is not None and fetched.length > within):
             return False
         # checked over the pieces we were given, never over the arena (which others map)
         if (
@@ -94,7 +99,9 @@ class Promotions:
             return False
         with self._lock:
             protect = {e.key for e in lease.entries}
-            e = self.index.reserve_promotion(key, fetched.length, fetched.priority, protect)
+            e = self.index.reserve_promotion(
+                key, fetched.length, fetched.priority, protect, evict=within is None
+            )
             if e is None:
                 return False
         pos = e.offset

@@ -18,6 +18,8 @@
 - Shards are chosen by rendezvous hashing of the chunk key (adding a shard moves ~1/n of keys).
 - A shard that fails is marked down at once and skipped (a miss, a dropped write) until the health
   thread's PING succeeds again; redis-py reconnects on the next command, so recovery needs nothing.
+- The health thread also reports the chunks clients loaded to the pool's hot set, from which a new
+  sidecar pre-warms its CPU tier (hot_chunks.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import cast
 import redis
 
 from kvpool_sidecar import metrics
+from kvpool_sidecar.hot_chunks import HotChunks, Prewarm, hot_set_name, hottest
 from kvpool_sidecar.promotion import Fetched
 from kvpool_sidecar.redis_format import (
     MAGIC,
@@ -80,6 +83,7 @@ class TierCounters:
     read_errors: int = 0
     auth_failures: int = 0  # chunks whose MAC failed: never promoted, deleted from Redis
     bytes_read: int = 0
+    hot_reported: int = 0  # chunk loads counted into the pool's hot set
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **increments: int) -> None:
@@ -100,6 +104,7 @@ class RedisTier:
     pool_key_file: Path | None = None  # wins over `pool_key`
     pool_key_required: bool = False  # no key (yet): the tier stays off
     health_interval: float = 1.0
+    prewarm_bytes: int = 0  # at start, promote up to this many bytes of the pool's hottest chunks
     counters: TierCounters = field(default_factory=TierCounters)
 
     def __post_init__(self) -> None:
@@ -112,6 +117,8 @@ class RedisTier:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.hot = HotChunks()
+        self.prewarm = Prewarm(self.prewarm_bytes)
 
     @classmethod
     def from_settings(cls, settings: Settings, store: Store) -> RedisTier:
@@ -125,6 +132,7 @@ class RedisTier:
             password_file=settings.redis_password_file,
             pool_key_file=settings.pool_key_file,
             pool_key_required=settings.pool_key_required,
+            prewarm_bytes=settings.prewarm_bytes,
         )
 
     def reload_credentials(self) -> None:
@@ -187,6 +195,10 @@ class RedisTier:
             "auth_failures": c.auth_failures,
             "authenticated": self.pool_key is not None,
             "bytes_read": c.bytes_read,
+            "hot_reported": c.hot_reported,
+            "prewarm": self.prewarm.state,
+            "prewarmed": self.prewarm.chunks,
+            "prewarmed_bytes": self.prewarm.bytes,
         }
         return metrics.fields(metrics.REDIS_STATS, values, metrics.REDIS_TEXT_KEYS)
 
@@ -194,10 +206,10 @@ class RedisTier:
 
     def start(self) -> None:
         self.check_health()
-        for target, name in (
-            (self._write_loop, "kvpool-redis-writer"),
-            (self._health_loop, "kvpool-redis-health"),
-        ):
+        threads = [(self._write_loop, "kvpool-redis-writer"), (self._health_loop, "kvpool-redis-health")]
+        if self.prewarm.budget > 0:
+            threads.append((self._prewarm, "kvpool-prewarm"))
+        for target, name in threads:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -218,8 +230,26 @@ class RedisTier:
             try:
                 self.reload_credentials()
                 self.shards.refresh()
+                if self._key_missing() is None:
+                    self.counters.add(hot_reported=self.hot.report(self.shards, self._hot_set))
             except Exception:  # this thread is what brings Redis back: it must not die
                 log.exception("redis health check failed")
+
+    # --- the pool's hottest chunks ------------------------------------------------------------------
+
+    @property
+    def _hot_set(self) -> str:
+        return hot_set_name(self.pool_key)
+
+    def loaded(self, keys: Sequence[str]) -> None:
+        self.hot.loaded(keys)
+
+    def _prewarm(self) -> None:
+        try:
+            self.prewarm.run(self.store, lambda: hottest(self.shards, self._hot_set), self.usable, self._stop)
+        except Exception as e:  # a pre-warm is an optimisation: the sidecar serves without it
+            log.exception("pre-warm failed")
+            self.prewarm.state = f"gave up: {e!r}"
 
     # --- write-behind -------------------------------------------------------------------------------
 

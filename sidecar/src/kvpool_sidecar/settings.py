@@ -49,6 +49,7 @@ class Settings:
     status_port: int = 0
     redis_queue_bytes: int = 0  # 0: half the capacity
     max_chunks: int = 200_000
+    prewarm_bytes: int = 0  # a new sidecar's pre-warm from the pool's hottest chunks in Redis (0: off)
     log_level: str = "info"
 
 
@@ -129,6 +130,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="chunks the index holds at most (its memory, about 0.3 KiB each); beyond, eviction",
     )
     p.add_argument(
+        "--prewarm-bytes",
+        type=parse_quantity,
+        default=default("prewarm-bytes", d.prewarm_bytes),
+        help="at start, load up to this many bytes of the pool's hottest chunks from the Redis tier into "
+        "free room of the CPU tier, in the background (0: off; needs a Redis tier)",
+    )
+    p.add_argument(
         "--shared-group",
         action="store_true",
         default=_env_flag(environ, "shared-group"),
@@ -166,6 +174,11 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         parser.error("--max-chunks must be positive")
     if ns.redis_queue_bytes < 0:
         parser.error("--redis-queue-bytes must not be negative")
+    if ns.prewarm_bytes < 0:
+        parser.error("--prewarm-bytes must not be negative")
+    has_redis = ns.redis_urls or ns.env_redis_urls or ns.redis_urls_file
+    if ns.prewarm_bytes and not has_redis:
+        parser.error("--prewarm-bytes pre-warms from the Redis tier: give --redis-url or --redis-urls-file")
     return Settings(
         host=ns.host,
         port=ns.port,
@@ -186,5 +199,6 @@ def parse_settings(argv: Sequence[str] | None = None, environ: Mapping[str, str]
         status_port=ns.status_port,
         redis_queue_bytes=ns.redis_queue_bytes,
         max_chunks=ns.max_chunks,
+        prewarm_bytes=ns.prewarm_bytes,
         log_level=ns.log_level,
     )

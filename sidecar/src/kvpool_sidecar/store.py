@@ -201,7 +201,28 @@ class Store:
                 return lease_id, []
             if account:
                 self.counters.bytes_out += sum(e.length for e in entries)
-            return lease_id, [self._slot(e) for e in entries]
+            slots = [self._slot(e) for e in entries]
+        if account and slots and self.lower is not None:
+            self.lower.loaded([s.key for s in slots])  # the pool's hottest chunks (hot_chunks.py)
+        return lease_id, slots
+
+    def warm(self, key: str, within: int) -> int:
+        """Promotes `key` from the lower tier into free room only, evicting nothing (a pre-warm must
+        not push out what this sidecar holds), if it is at most `within` bytes: the bytes it took, or 0
+        (held already, not in the lower tier, larger, or no free extent for it)."""
+        lease_id = secrets.token_hex(16)
+        with self._lock:
+            if self.index.entry(key) is not None:
+                return 0
+            lease = self.index.lease(lease_id, [])
+        if lease is None:
+            return 0
+        try:
+            self._promotions.promote_into(self.lower, [key], lease, within=within)
+            with self._lock:
+                return sum(e.length for e in lease.entries) if not lease.expired else 0
+        finally:
+            self.release(lease_id)
 
     def release(self, lease_id: str) -> bool:
         with self._lock:
@@ -360,6 +381,8 @@ class Store:
             else:
                 with self._lock:
                     self.counters.bytes_out += len(data)
+                if self.lower is not None:  # (a promotion below is counted by pin)
+                    self.lower.loaded([key])
         if data is None and self.lower is not None:
             with self.pinned([key]) as slots:  # a miss here looks in Redis and promotes
                 if slots:
