@@ -105,6 +105,8 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.redis.passwordSecretRef",
     ),
     ("unknown redis mode", {"backend": "redis", "redis": {"mode": "sentinel"}}, "spec.redis.mode"),
+    ("prewarm not a quantity", {**SHARED, "redis": {"prewarm": "hot"}}, "spec.redis.prewarm"),
+    ("prewarm negative", {**SHARED, "redis": {"prewarm": -1}}, "spec.redis.prewarm"),
     (
         "shards out of range",
         {"backend": "redis", "redis": {"mode": "shared", "replicas": 0}},

@@ -54,7 +54,7 @@ def pools(cluster: Cluster) -> Iterator[Cluster]:
             "selector": {"matchLabels": {"app": "cached"}},
             "capacity": "2Gi",
             "backend": "redis",
-            "redis": {"mode": "shared", "replicas": 2},
+            "redis": {"mode": "shared", "replicas": 2, "prewarm": "4Gi"},
             "vllmContainer": "engine",
             "sidecar": {"port": 8000},
         },
@@ -259,7 +259,7 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
     config = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
     assert config["kv_connector_extra_config"]["sidecar_url"] == "http://127.0.0.1:8000"
     sidecar = sidecar_of(result)
-    assert sidecar["args"][-7:] == [
+    assert sidecar["args"][-9:] == [
         "--redis-urls-file",
         "/etc/kvpool/redis/redis-urls",
         "--pool-key-required",
@@ -267,6 +267,8 @@ def test_shared_redis_pod_gets_shard_list_and_password(pools: Cluster) -> None:
         "/etc/kvpool/credentials/pool-key",
         "--redis-password-file",
         "/etc/kvpool/credentials/redis-password",
+        "--prewarm-bytes",
+        str(2 * 2**30),  # spec.redis.prewarm 4Gi, at most the 2Gi CPU tier
     ]
     assert sidecar["args"][sidecar["args"].index("--status-port") + 1] == "8001"
     assert "env" not in sidecar  # files, which the kubelet keeps current when a Secret is made again

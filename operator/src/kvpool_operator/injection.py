@@ -278,6 +278,8 @@ def sidecar_container(pool: Pool, settings: OperatorSettings, qos_guaranteed: bo
                  "--pool-key-file", f"{names.CREDENTIALS_DIR}/{names.POOL_KEY_FILE}"]  # fmt: skip
         if password_secret(pool) is not None:
             args += ["--redis-password-file", f"{names.CREDENTIALS_DIR}/{names.REDIS_PASSWORD_FILE}"]
+        if pool.prewarm_bytes:
+            args += ["--prewarm-bytes", str(pool.prewarm_bytes)]
         mounts.append({"name": names.REDIS_URLS_VOLUME, "mountPath": names.REDIS_URLS_DIR, "readOnly": True})
         mounts.append(
             {"name": names.CREDENTIALS_VOLUME, "mountPath": names.CREDENTIALS_DIR, "readOnly": True}

@@ -31,6 +31,7 @@ class RedisSpec:
     replicas: int = 1
     memory: str = DEFAULT_REDIS_MEMORY
     image: str = DEFAULT_REDIS_IMAGE
+    prewarm: str | None = None  # bytes of the pool's hottest chunks a new sidecar loads at start
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ class Pool:
         return parse_quantity(self.capacity)
 
     @property
+    def prewarm_bytes(self) -> int:
+        """What a new sidecar pre-warms from the Redis tier: spec.redis.prewarm, at most its CPU tier."""
+        if self.redis is None or self.redis.prewarm is None:
+            return 0
+        return min(parse_quantity(self.redis.prewarm), self.capacity_bytes)
+
+    @property
     def shared_tier(self) -> bool:
         return self.backend == "redis" and self.redis is not None and self.redis.mode == "shared"
 
@@ -96,6 +104,7 @@ def parse_pool(namespace: str, name: str, spec: Mapping[str, Any], uid: str | No
             replicas=_int(r, "replicas", 1, "spec.redis.replicas"),
             memory=str(r.get("memory", DEFAULT_REDIS_MEMORY)),
             image=str(r.get("image", DEFAULT_REDIS_IMAGE)),
+            prewarm=str(r["prewarm"]) if r.get("prewarm") is not None else None,
         )
     scaling = None
     if spec.get("scaling") is not None:
@@ -155,6 +164,11 @@ def problems(pool: Pool) -> list[str]:
             parse_quantity(pool.redis.memory)
         except ValueError:
             found.append(f"spec.redis.memory {pool.redis.memory!r} is not a quantity")
+    if pool.redis is not None and pool.redis.prewarm is not None:
+        try:
+            parse_quantity(pool.redis.prewarm)
+        except ValueError:
+            found.append(f"spec.redis.prewarm {pool.redis.prewarm!r} is not a quantity")
     if (
         pool.backend == "redis"
         and pool.redis is not None
