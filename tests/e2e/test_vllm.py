@@ -145,25 +145,40 @@ def test_vllm_answers_the_same_through_a_killed_sidecar(cluster: Cluster, vllm_w
 
 def test_a_rollout_comes_up_warm_from_the_shared_tier(vllm_workload: str) -> None:
     """The Deployment rolls (new pods, empty arenas): a conversation the old pods served loads as much
-    from kvpool on a new pod, through the shared Redis tier, with the same answer."""
+    from kvpool on a new pod, with the same answer, and from its own CPU tier: the pool's pre-warm
+    (spec.redis.prewarm) loaded the chunks the old pods used most into it as it started."""
     old = vllm_pods()[0]["metadata"]["name"]
     with port_forward(old, 8000) as vllm, port_forward(old, STATUS_PORT) as side:
         answer = complete(vllm, ROLLOUT)
         before = hit_tokens(vllm)
         assert complete(vllm, ROLLOUT) == answer
         old_hit = wait_until(lambda: (n := hit_tokens(vllm)) > before and n, 60, "the old pod's hit") - before
-        wait_until(lambda: get_json(side + "/stats")["tiers"]["redis"]["queued"] == 0, 60, "the write-behind")
+
+        def redis_tier() -> dict[str, Any]:
+            return get_json(side + "/stats")["tiers"]["redis"]
+
+        wait_until(lambda: redis_tier()["queued"] == 0, 60, "the write-behind")
+        wait_until(lambda: redis_tier()["hot_reported"] > 0, 60, "the loads counted into the pool's hot set")
     kubectl("-n", NAMESPACE, "rollout", "restart", "deployment/vllm")
     kubectl("-n", NAMESPACE, "rollout", "status", "deployment/vllm", "--timeout", "900s", timeout=960)
     rolled = time.monotonic()
     new = [p["metadata"]["name"] for p in vllm_pods()]
     assert old not in new and len(new) == 2
-    with port_forward(new[0], 8000) as vllm:
+    with port_forward(new[0], 8000) as vllm, port_forward(new[0], STATUS_PORT) as side:
+        warm = wait_until(
+            lambda: (r := get_json(side + "/stats")["tiers"]["redis"])["prewarm"] == "done" and r,
+            60,
+            "the new sidecar's pre-warm",
+        )
         assert complete(vllm, ROLLOUT) == answer
         new_hit = wait_until(lambda: hit_tokens(vllm) or None, 60, "the new pod's hit")
+        after = get_json(side + "/stats")["tiers"]["redis"]
     print(f"rollout: {new_hit:.0f} tokens loaded on a new pod against {old_hit:.0f} on the old one, "
-          f"{time.monotonic() - rolled:.1f} s after the rollout was done")  # fmt: skip
+          f"{time.monotonic() - rolled:.1f} s after the rollout was done; {warm['prewarmed']} chunks "
+          f"({warm['prewarmed_bytes']} bytes) pre-warmed")  # fmt: skip
     assert new_hit >= 0.8 * old_hit, (new_hit, old_hit)
+    assert warm["prewarmed"] > 0
+    assert after["hits"] == warm["hits"]  # every chunk loaded came from the pre-warmed CPU tier
 
 
 def test_kubectl_get_kvp_shows_ready_counts_and_hit_rate(vllm_workload: str) -> None:
