@@ -1,14 +1,26 @@
 """Two pods in miniature: two engine processes, each with its own sidecar, the sidecars sharing one
-real Redis. The second engine loads what the first saved, and its outputs match."""
+real Redis. The second engine loads what the first saved, and its outputs match; a prefix the two
+share to the middle of a chunk loads to its last block."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from enginekit import Engine, engine_spec, kvpool_connector, prompt_keys
+from enginekit import (
+    BLOCK,
+    CHUNK,
+    Engine,
+    engine_spec,
+    kvpool_connector,
+    prompt_keys,
+    reference_runs,
+    same_as_reference,
+    tiny_namespace,
+)
 from kvtest import RedisServer, start_sidecar, wait_until
 
+from kvpool_connector.keys import chunk_keys
 from kvpool_demo.tinymodel import random_prompt
 from kvpool_sidecar.client import SidecarClient
 
@@ -62,3 +74,54 @@ def test_second_engine_loads_what_the_first_saved_through_redis(
     assert warm["outputs"][0]["num_cached_tokens"] == 576
     assert warm["outputs"][0]["token_ids"] == cold["outputs"][0]["token_ids"]
     assert warm["outputs"][0]["logprobs"] == cold["outputs"][0]["logprobs"]
+
+
+SHARED = random_prompt(8 * CHUNK + BLOCK, 512, seed=31)  # ends one block into a chunk
+FIRST = SHARED + random_prompt(CHUNK - BLOCK + 24, 512, seed=32)
+SECOND = SHARED + random_prompt(CHUNK - BLOCK + 24, 512, seed=33)
+
+
+def test_a_prefix_shared_to_mid_chunk_loads_to_its_last_block_on_the_other_engine(
+    tmp_path: Path, tiny_model: Path, redis: RedisServer
+) -> None:
+    """Prefix repetition across pods (#24 item 3): engine X's prompt and engine Y's share 8 chunks and
+    a block. Y finds the whole chunks in Redis, and the block through the key of the block prefix of
+    X's ninth chunk, which X's sidecar wrote behind as an alias: Y loads all 544 shared tokens, as from
+    its own CPU tier, with the reference's tokens. Before, Redis knew chunks only: 512."""
+    pool = {"KVPOOL_POOL_KEY": "one-pool"}
+    a = start_sidecar(tmp_path, "64Mi", [redis.url], "--pool-key-required", env=pool)
+    b = start_sidecar(tmp_path, "64Mi", [redis.url], "--pool-key-required", env=pool)
+    warmup = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=22)], "max_tokens": 2}
+    x = Engine(
+        tmp_path,
+        "x",
+        engine_spec(
+            tiny_model, kvpool_connector(a.info["url"]), [warmup, {"label": "first", "prompts": [FIRST]}]
+        ),
+    )
+    y = Engine(tmp_path, "y", {})
+    second, reference = reference_runs([("second", SECOND)])
+    y.spec = engine_spec(
+        tiny_model,
+        kvpool_connector(b.info["url"]),
+        [warmup, {**second, "wait_for": y.go_file("second")}, reference],
+    )
+    try:
+        x.start()
+        y.start()
+        x.wait_done("first")
+        b_client = SidecarClient(b.info["url"], timeout=5)
+        shared = chunk_keys(tiny_namespace(tiny_model), SHARED, 0)  # the last: the 9th chunk's first block
+        wait_until(lambda: b_client.lookup(shared[:8]) == 8, 60, "the whole chunks in Redis")
+        wait_until(lambda: b_client.first_whole([shared[8:]]) == 0, 60, "the block prefix's alias in Redis")
+        y.go("second")
+        out = {label: y.wait_done(label)["outputs"][0] for label in ("second", "second-ref")}
+        x.finish()
+        y.finish()
+    finally:
+        x.kill()
+        y.kill()
+        a.stop()
+        b.stop()
+    assert out["second"]["num_cached_tokens"] == len(SHARED)
+    same_as_reference(out, "second")

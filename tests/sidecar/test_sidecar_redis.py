@@ -12,8 +12,8 @@ from pathlib import Path
 from kvtest import RedisServer, free_port, redis_call, redis_with, wait_until
 from sidecar_support import key, load, payload, redis_stats, save
 
-from kvpool_sidecar.client import SidecarClient
-from kvpool_sidecar.redis_format import chunk_key
+from kvpool_sidecar.client import SidecarClient, checksum
+from kvpool_sidecar.redis_format import alias_key, alias_value, chunk_key
 
 
 def client(proc) -> SidecarClient:
@@ -342,3 +342,48 @@ def test_a_secret_made_again_reaches_a_running_sidecar_and_the_change_is_only_mi
         wait_until(lambda: redis_stats(a)["written"] == 2, 30, "write-behind under the new credentials")
         assert load(b, [after]) == {after: payload(30_000, 3)}  # the new key's MAC: one pool again
         assert redis_stats(b)["auth_failures"] == 0
+
+
+def test_a_block_prefix_saved_on_one_pod_is_found_and_loaded_on_another_through_redis(
+    sidecar_factory, redis
+) -> None:
+    """Prefix repetition across pods (#24 item 3): a chunk saved with the keys of its block prefixes
+    is found on another pod by one of them, through Redis, and loads as the whole chunk (the reader
+    takes its first blocks), as it would from the pod's own CPU tier. A planted alias, unsigned or
+    naming another chunk, is never followed."""
+    a, b = sidecar_factory("64Mi", [redis.url], env=POOL), sidecar_factory("64Mi", [redis.url], env=POOL)
+    ca, cb = client(a), client(b)
+    chunk, first_block, two_blocks = key(1, "doc"), key(1, "doc-1-block"), key(1, "doc-2-blocks")
+    data = payload(64 * 1024, 1)
+    slots = ca.reserve([(chunk, len(data))], prefixes={chunk: [first_block, two_blocks]})
+    arena = ca.arena()
+    arena[slots[0].offset : slots[0].offset + len(data)] = data
+    assert ca.commit([(slots[0], checksum(data))]) == [True]
+    wait_until(lambda: redis_stats(ca)["written"] == 1, 30, "the write-behind")
+    wait_until(lambda: b":1" in redis_call(redis.port, "EXISTS", alias_key(two_blocks)), 30, "the aliases")
+
+    missing = key(2, "other-doc")
+    assert cb.first_whole([[missing], [two_blocks]]) == 1  # b's CPU tier is empty: found in Redis
+    pinned = cb.pin([first_block])
+    try:
+        assert [(s.key, s.length) for s in pinned.slots] == [(chunk, len(data))]
+        (s,) = pinned.slots
+        assert bytes(cb.arena()[s.offset : s.offset + s.length]) == data
+    finally:
+        cb.release(pinned.lease)
+    assert cb.first_whole([[two_blocks]]) == 0 and load(cb, [chunk]) == {chunk: data}  # held now
+    assert redis_stats(cb)["hits"] == 1  # one promotion, the whole chunk
+
+    # an alias planted without the pool's key, and one of this pool's re-pointed at another prefix's
+    # chunk, are misses (and deleted), never another chunk's blocks
+    other = key(3, "doc")
+    save(ca, {other: payload(64 * 1024, 3)})
+    wait_until(lambda: redis_stats(ca)["written"] == 2, 30, "the second write-behind")
+    fresh = client(sidecar_factory("64Mi", [redis.url], env=POOL))
+    forged, moved = key(4, "forged"), key(5, "moved")
+    redis_call(redis.port, "SET", alias_key(forged), alias_value(b"not-the-pool-key", forged, other))
+    signed_for_two_blocks = alias_value(POOL["KVPOOL_POOL_KEY"].encode(), two_blocks, other)
+    redis_call(redis.port, "SET", alias_key(moved), signed_for_two_blocks)
+    assert load(fresh, [forged]) == {} and load(fresh, [moved]) == {}
+    assert redis_stats(fresh)["auth_failures"] == 2 and fresh.stats()["chunks"] == 0
+    assert b":0" in redis_call(redis.port, "EXISTS", alias_key(forged))

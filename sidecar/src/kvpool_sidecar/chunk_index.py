@@ -369,13 +369,19 @@ class ChunkIndex:
     # --- promotions from a lower tier ---------------------------------------------------------------
 
     def reserve_promotion(
-        self, key: str, length: int, priority: int, protect: set[str], evict: bool = True
+        self,
+        key: str,
+        length: int,
+        priority: int,
+        protect: set[str],
+        evict: bool = True,
+        prefixes: Sequence[str] = (),
     ) -> Entry | None:
         """Room for a chunk being promoted (a reservation no client can commit: its generation is
         never handed out)."""
         if key in self._entries:
             return None
-        return self.reserve(key, length, priority, protect, evict=evict)
+        return self.reserve(key, length, priority, protect, prefixes=prefixes, evict=evict)
 
     # --- observation -------------------------------------------------------------------------------
 

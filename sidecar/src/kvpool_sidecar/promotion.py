@@ -23,6 +23,7 @@ class Fetched:
     checksum: int
     priority: int
     pieces: list[bytes] = field(repr=False)
+    key: str | None = None  # the chunk's own key, when it was asked for by a block prefix's
 
 
 class LowerTier(Protocol):
@@ -65,7 +66,7 @@ class Promotions:
         the first and takes its result instead of failing."""
         while True:
             with self._lock:
-                e = self.index.entry(key)
+                e = self.index.loadable(key) or self.index.entry(key)
                 if e is not None and e.stored:  # someone promoted or saved it meanwhile
                     return self.index.pin_into(e, lease)
                 running = self._promoting.get(key)
@@ -97,10 +98,18 @@ class Promotions:
                 self.counters.corrupt_dropped += 1
             lower.deleted(key)  # what is left there is no use to anyone: the next save writes it anew
             return False
+        chunk = fetched.key or key  # reached through a block prefix: the chunk, found by it from now on
         with self._lock:
+            if (held := self.index.stored(chunk)) is not None:  # the whole chunk came meanwhile
+                return self.index.pin_into(held, lease)
             protect = {e.key for e in lease.entries}
             e = self.index.reserve_promotion(
-                key, fetched.length, fetched.priority, protect, evict=within is None
+                chunk,
+                fetched.length,
+                fetched.priority,
+                protect,
+                evict=within is None,
+                prefixes=(key,) if chunk != key else (),
             )
             if e is None:
                 return False

@@ -15,6 +15,10 @@
 - The password and the key may come from files (a mounted Secret, which the kubelet rewrites when the
   Secret changes), read again every health round: a Secret the operator had to make again reaches a
   running sidecar without a restart. Until it does, the old password or key is only ever a miss.
+- A chunk's block prefixes (the keys a save names, which find it in the CPU tier) are written behind
+  too, as aliases (a string per prefix, on the prefix's shard, first writer wins) naming the chunk
+  under the pool's MAC: a lookup finds a prefix as it finds a chunk, and a load promotes the whole
+  chunk and reads its first blocks, as from the CPU tier. A planted or other pool's alias is a miss.
 - Shards are chosen by rendezvous hashing of the chunk key (adding a shard moves ~1/n of keys).
 - A shard that fails is marked down at once and skipped (a miss, a dropped write) until the health
   thread's PING succeeds again; redis-py reconnects on the next command, so recovery needs nothing.
@@ -25,6 +29,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import queue
@@ -33,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import redis
 
@@ -45,6 +50,9 @@ from kvpool_sidecar.redis_format import (
     META,
     META_FIELD,
     PIECE_BYTES,
+    alias_key,
+    alias_target,
+    alias_value,
     chunk_key,
     chunk_mac,
     piece_count,
@@ -306,7 +314,7 @@ class RedisTier:
             if entry_meta is None:
                 self.counters.add(dropped=1)
                 return False
-            digest, priority = entry_meta
+            digest, priority, prefixes = entry_meta
             view = self.store.arena.view[slot.offset : slot.offset + slot.length]
             try:
                 # TOUCH: a chunk saved again is in use again, so Redis keeps it longer
@@ -331,7 +339,26 @@ class RedisTier:
             finally:
                 view.release()
         self.counters.add(written=1, bytes_written=slot.length)
+        self._write_aliases(key, prefixes)
         return True
+
+    def _write_aliases(self, key: str, prefixes: Sequence[str]) -> None:
+        """The chunk's block prefixes, each naming it from its own shard (one pipeline a shard). NX: the
+        first chunk written for a prefix keeps it, as in the CPU tier; a failed shard loses only hits."""
+        by_shard: dict[int, tuple[Shard, list[str]]] = {}
+        for prefix in prefixes:
+            shard = self.shards.holder(prefix)
+            if shard is not None and shard.up:
+                by_shard.setdefault(id(shard), (shard, []))[1].append(prefix)
+        for shard, names in by_shard.values():
+            try:
+                pipe = shard.redis.pipeline(transaction=False)
+                for prefix in names:
+                    value = alias_value(self.pool_key, prefix, key)
+                    pipe.execute_command("SET", alias_key(prefix), value, "NX")
+                pipe.execute()
+            except _ERRORS as e:
+                shard.down(e)
 
     def remove(self, key: str) -> None:
         shard = self.shards.holder(key)
@@ -345,10 +372,11 @@ class RedisTier:
     # --- reads --------------------------------------------------------------------------------------
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is in Redis: a pipelined TOUCH of each (it answers as EXISTS does, and counts
-        as a use, so chunks that pods keep looking up stay the most recent under LRU eviction), one
-        round trip per shard, within LOOKUP_BUDGET_SECONDS; a shard that is down, or does not answer
-        in time (then marked down), says no."""
+        """Whether each key is in Redis, as a chunk or a block prefix's alias: a pipelined TOUCH of both
+        (it answers as EXISTS does, and counts as a use, so chunks that pods keep looking up stay the
+        most recent under LRU eviction), one round trip per shard, within LOOKUP_BUDGET_SECONDS; a
+        shard that is down, or does not answer in time (then marked down), says no. An alias whose
+        chunk was evicted says yes: its load is a miss."""
         by_shard: dict[int, tuple[Shard, list[int]]] = {}
         for i, key in enumerate(keys):
             shard = self.shards.holder(key)
@@ -360,16 +388,54 @@ class RedisTier:
                 assert shard.lookup_client is not None  # an up shard has both clients
                 pipe = shard.lookup_client.pipeline(transaction=False)
                 for i in idx:
-                    # (not pipe.touch: in a cluster pipeline, redis-py's returns no replies)
+                    # (not pipe.touch: in a cluster pipeline, redis-py's returns no replies; two
+                    # commands, not one of two keys: in a cluster the keys' slots differ)
                     pipe.execute_command("TOUCH", chunk_key(keys[i]))
-                for i, n in zip(idx, pipe.execute(), strict=True):
-                    found[i] = bool(n)
+                    pipe.execute_command("TOUCH", alias_key(keys[i]))
+                replies = pipe.execute()
+                for i, as_chunk, as_alias in zip(idx, replies[::2], replies[1::2], strict=True):
+                    found[i] = bool(as_chunk or as_alias)
             except _ERRORS as e:
                 shard.down(e)
         return found
 
     def fetch(self, key: str) -> Fetched | None:
-        """The chunk's pieces and meta from its shard (checked by the store against the checksum)."""
+        """The chunk's pieces and meta from its shard (checked by the store against the checksum); or,
+        where `key` is a block prefix's, the whole chunk its alias names."""
+        fetched = self._fetch(key)
+        if fetched is not False:
+            return fetched
+        target = self._alias_target(key)
+        fetched = self._fetch(target) if target is not None else False
+        if fetched is False:
+            self.counters.add(misses=1)
+            return None
+        return dataclasses.replace(fetched, key=target) if fetched is not None else None
+
+    def _alias_target(self, prefix: str) -> str | None:
+        """The chunk the alias of `prefix` names; None where there is none, or it fails the MAC
+        (deleted, counted as the chunks' failures are)."""
+        shard = self.shards.holder(prefix)
+        if shard is None or not shard.up:
+            return None
+        try:
+            value = cast("bytes | None", shard.redis.get(alias_key(prefix)))
+            if value is None:
+                return None
+            target = alias_target(self.pool_key, prefix, value)
+            if target is None:
+                self.counters.add(auth_failures=1)
+                log.warning("alias %s in redis shard %s is not this pool's: deleted", prefix, shard.name)
+                shard.redis.delete(alias_key(prefix))
+            return target
+        except _ERRORS as e:
+            shard.down(e)
+            self.counters.add(read_errors=1)
+            return None
+
+    def _fetch(self, key: str) -> Fetched | Literal[False] | None:
+        """The chunk stored under `key`; False when Redis has no such chunk, None when it could not be
+        read (counted)."""
         shard = self.shards.holder(key)
         if shard is None or not shard.up:
             return None
@@ -377,8 +443,7 @@ class RedisTier:
         try:
             raw = cast("bytes | None", shard.redis.hget(name, META_FIELD))
             if raw is None:
-                self.counters.add(misses=1)
-                return None
+                return False
             if len(raw) != META.size or raw[:4] != MAGIC:
                 return self._unreadable(shard, key, "its meta is not kvpool's")
             _, length, digest, priority, n, mac = META.unpack(raw)

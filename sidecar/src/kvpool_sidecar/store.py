@@ -268,11 +268,11 @@ class Store:
                     self.index.unpin(e)
         return dropped
 
-    def describe(self, key: str) -> tuple[int, int] | None:
-        """(checksum, priority) of a stored chunk."""
+    def describe(self, key: str) -> tuple[int, int, tuple[str, ...]] | None:
+        """(checksum, priority, the keys of the block prefixes that find it) of a stored chunk."""
         with self._lock:
             e = self.index.stored(key)
-            return (e.checksum, e.priority) if e is not None else None
+            return (e.checksum, e.priority, e.prefixes) if e is not None else None
 
     @contextlib.contextmanager
     def pinned(
