@@ -8,7 +8,8 @@ from kvtest import RedisServer, wait_until
 from sidecar_support import key, load, payload, redis_stats, save
 
 from kvpool_sidecar.client import SidecarClient
-from kvpool_sidecar.hot_chunks import hot_set_name
+from kvpool_sidecar.hot_chunks import HotChunks, hot_set_name, hottest
+from kvpool_sidecar.redis_shard import Shards
 
 POOL_KEY = "the-pools-secret"
 KiB, MiB = 2**10, 2**20
@@ -22,21 +23,22 @@ def make_hot(sidecar_factory, redis: RedisServer, sizes: list[int], loads: list[
     """A pod of the pool saves chunks of `sizes` and loads the i-th loads[i] times; returns their keys
     once the pool's hot set holds every loaded one with its count."""
     a = client(sidecar_factory("64Mi", [redis.url], env={"KVPOOL_POOL_KEY": POOL_KEY}))
+    r, name = redis_py.Redis(port=redis.port), hot_set_name(POOL_KEY.encode())
+    # a first load, whose report starts the set's first half-life (halving it): the loads below
+    # then count whole, in whichever reports they land
+    primer = key(0, "primer")
+    assert save(a, {primer: b"p" * 1024}) == [primer] and load(a, [primer])
+    wait_until(lambda: r.exists(name + ":halved"), 30, "the hot set's first report")
     chunks = {key(i, "hot"): payload(n, i) for i, n in enumerate(sizes)}
     keys = list(chunks)
     assert save(a, chunks) == keys
-    wait_until(lambda: redis_stats(a)["written"] == len(keys), 30, "the write-behind")
+    wait_until(lambda: redis_stats(a)["written"] == len(keys) + 1, 30, "the write-behind")
     for k, n in zip(keys, loads, strict=True):
         for _ in range(n):
             assert load(a, [k]) == {k: chunks[k]}
     expected = [(k.encode(), float(n)) for k, n in zip(keys, loads, strict=True) if n]
-    expected.sort(key=lambda kv: -kv[1])
-    r = redis_py.Redis(port=redis.port)
-    wait_until(
-        lambda: r.zrevrange(hot_set_name(POOL_KEY.encode()), 0, -1, withscores=True) == expected,
-        30,
-        "the pool's hot set to hold every load",
-    )
+    expected = [*sorted(expected, key=lambda kv: -kv[1]), (primer.encode(), 0.5)]
+    wait_until(lambda: r.zrevrange(name, 0, -1, withscores=True) == expected, 30, "every load in the hot set")
     return keys
 
 
@@ -82,3 +84,21 @@ def test_a_prewarm_never_evicts_what_the_sidecar_holds(sidecar_factory, redis, t
     assert (stats["prewarmed"], b.stats()["chunks"], b.stats()["evictions"]) == (4, 7, 0)
     assert load(b, list(own)) == own
     assert load(b, keys[:4]) == {k: payload(256 * KiB, i) for i, k in enumerate(keys[:4])}
+
+
+def test_the_hot_set_halves_every_half_life_so_it_follows_what_is_hot_now(redis) -> None:
+    """A prefix loaded 8 times one half-life ago weighs less than one loaded 6 times now (without the
+    halving, 8 > 6: a pre-warm would bring last week's prefixes)."""
+    shards = Shards([redis.url], None, None)
+    shards.check()
+    hot, name = HotChunks(half_life=1), "kvpool:hot:v1:test"
+    r = redis_py.Redis(port=redis.port)
+    hot.loaded(["old"] * 8)
+    assert hot.report(shards, name) == 1
+    assert r.zscore(name, "old") == 4.0  # the first report starts the first half-life
+    wait_until(lambda: not r.exists(name + ":halved"), 10, "the half-life to pass")
+    hot.loaded(["new"] * 6)
+    hot.report(shards, name)
+    assert r.zrevrange(name, 0, -1, withscores=True) == [(b"new", 3.0), (b"old", 2.0)]
+    assert hottest(shards, name) == ["new", "old"]
+    shards.close()

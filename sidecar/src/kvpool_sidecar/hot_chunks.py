@@ -3,10 +3,12 @@
 A new pod (a rollout, a scale-up) starts with an empty CPU tier, so each of its first returning
 requests waits on Redis. Every sidecar counts the chunks its clients load; its Redis health thread
 adds the counts to a sorted set on the shard that holds each chunk, trimmed to the HOT_KEEP hottest,
-about once a second (never on a request's path). A sidecar started with --prewarm-bytes reads every
-shard's set once its tier is usable and promotes the hottest chunks it does not hold, in the
-background, while it serves: at most that many bytes, into free room only, so it never evicts what
-it holds (adopted chunks after a restart).
+about once a second (never on a request's path). Every HALF_LIFE_SECONDS the first sidecar to
+report halves every score of a set, so the set follows what the pool uses now, not last week.
+
+A sidecar started with --prewarm-bytes reads every shard's set once its tier is usable and promotes
+the hottest chunks it does not hold, in the background, while it serves: at most that many bytes,
+into free room only, so it never evicts what it holds (adopted chunks after a restart).
 
 The set's name carries a fingerprint of the pool key: pools sharing one external Redis never pre-warm
 from each other's set (whose chunks would fail this pool's MAC, and be deleted as forgeries).
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 HOT_KEEP = 4096  # members each shard's set keeps: 4,096 chunks of 256 tokens is ~1M tokens of prefixes
 PENDING_MAX = 16_384  # distinct chunks counted between two reports; more wait for the next round
 PREWARM_WAIT_SECONDS = 120.0  # how long a pre-warm waits for its tier to become usable
+HALF_LIFE_SECONDS = 600  # a load counts half as much after this long
 
 _ERRORS = (redis.RedisError, OSError)
 
@@ -47,7 +50,8 @@ def hot_set_name(pool_key: bytes | None) -> str:
 class HotChunks:
     """Loads counted here, reported to the shards' sets by report()."""
 
-    def __init__(self) -> None:
+    def __init__(self, half_life: int = HALF_LIFE_SECONDS) -> None:
+        self.half_life = half_life
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -58,9 +62,10 @@ class HotChunks:
                     self._counts[key] += 1
 
     def report(self, shards: Shards, set_name: str) -> int:
-        """Adds the counts since the last report to each holder shard's set (one pipeline a shard) and
-        trims it; returns how many chunks were counted in. A shard that fails is marked down and its
-        counts are let go: they are a hint, not data."""
+        """Adds the counts since the last report to each holder shard's set (one pipeline a shard),
+        trims it, and halves it when its half-life is up (a marker key with that expiry, set by
+        whichever of the pool's sidecars comes first); returns how many chunks were counted in. A
+        shard that fails is marked down and its counts are let go: they are a hint, not data."""
         with self._lock:
             counts, self._counts = self._counts, Counter()
         by_shard: dict[int, tuple[Shard, list[tuple[str, int]]]] = {}
@@ -75,7 +80,9 @@ class HotChunks:
                 for key, n in items:
                     pipe.execute_command("ZINCRBY", set_name, n, key)
                 pipe.execute_command("ZREMRANGEBYRANK", set_name, 0, -HOT_KEEP - 1)
-                pipe.execute()
+                pipe.execute_command("SET", f"{set_name}:halved", 1, "NX", "EX", self.half_life)
+                if pipe.execute()[-1]:
+                    shard.redis.execute_command("ZUNIONSTORE", set_name, 1, set_name, "WEIGHTS", 0.5)
                 reported += len(items)
             except _ERRORS as e:
                 shard.down(e)
