@@ -4,7 +4,10 @@ share to the middle of a chunk loads to its last block."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from enginekit import (
@@ -27,42 +30,35 @@ from kvpool_sidecar.client import SidecarClient
 pytestmark = pytest.mark.engine
 
 PROMPT = random_prompt(600, 512, seed=21)
+WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=22)], "max_tokens": 2}
+SHARED = random_prompt(8 * CHUNK + BLOCK, 512, seed=31)  # ends one block into a chunk
+FIRST = SHARED + random_prompt(CHUNK - BLOCK + 24, 512, seed=32)
+SECOND = SHARED + random_prompt(CHUNK - BLOCK + 24, 512, seed=33)
 
 
-def test_second_engine_loads_what_the_first_saved_through_redis(
-    tmp_path: Path, tiny_model: Path, redis: RedisServer
-) -> None:
-    pool = {"KVPOOL_POOL_KEY": "one-pool"}  # as the operator sets it: chunks in Redis carry the pool's MAC
+@contextlib.contextmanager
+def two_pods(
+    tmp_path: Path,
+    model: Path,
+    redis: RedisServer,
+    x_runs: list[dict[str, Any]],
+    y_runs: list[dict[str, Any]],
+) -> Iterator[tuple[Engine, Engine, SidecarClient]]:
+    """Engines X and Y, each with its own sidecar, the sidecars sharing `redis` under one pool key (as
+    the operator sets it: chunks in Redis carry the pool's MAC). Each runs a warm-up first; Y's first
+    run after it waits for y.go(its label). Yields X, Y and a client of Y's sidecar."""
+    pool = {"KVPOOL_POOL_KEY": "one-pool"}
     a = start_sidecar(tmp_path, "64Mi", [redis.url], "--pool-key-required", env=pool)
     b = start_sidecar(tmp_path, "64Mi", [redis.url], "--pool-key-required", env=pool)
-    warmup = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=22)], "max_tokens": 2}
-    x = Engine(
-        tmp_path,
-        "x",
-        engine_spec(
-            tiny_model,
-            kvpool_connector(a.info["url"]),
-            [warmup, {"label": "cold", "prompts": [PROMPT], "max_tokens": 6}],
-        ),
-    )
+    x = Engine(tmp_path, "x", engine_spec(model, kvpool_connector(a.info["url"]), [WARMUP, *x_runs]))
     y = Engine(tmp_path, "y", {})
-    y.spec = engine_spec(
-        tiny_model,
-        kvpool_connector(b.info["url"]),
-        [warmup, {"label": "warm", "prompts": [PROMPT], "max_tokens": 6, "wait_for": y.go_file("warm")}],
-    )
+    held, *rest = y_runs
+    held = {**held, "wait_for": y.go_file(held["label"])}
+    y.spec = engine_spec(model, kvpool_connector(b.info["url"]), [WARMUP, held, *rest])
     try:
         x.start()
         y.start()
-        cold = x.wait_done("cold")
-        keys = prompt_keys(tiny_model, PROMPT)
-        b_client = SidecarClient(b.info["url"], timeout=5)
-        assert b_client.stats()["chunks"] <= 2  # B holds only its own warm-up's chunks
-        # A writes behind to Redis; B sees the chunks once they are there
-        wait_until(lambda: b_client.lookup(keys) == len(keys), 60, "the chunks to reach Redis")
-        y.go("warm")
-        warm = y.wait_done("warm")
-        promotions = b_client.stats()["promotions"]
+        yield x, y, SidecarClient(b.info["url"], timeout=5)
         x.finish()
         y.finish()
     finally:
@@ -70,15 +66,26 @@ def test_second_engine_loads_what_the_first_saved_through_redis(
         y.kill()
         a.stop()
         b.stop()
+
+
+def test_second_engine_loads_what_the_first_saved_through_redis(
+    tmp_path: Path, tiny_model: Path, redis: RedisServer
+) -> None:
+    cold_run = {"label": "cold", "prompts": [PROMPT], "max_tokens": 6}
+    warm_run = {"label": "warm", "prompts": [PROMPT], "max_tokens": 6}
+    with two_pods(tmp_path, tiny_model, redis, [cold_run], [warm_run]) as (x, y, b_client):
+        cold = x.wait_done("cold")
+        keys = prompt_keys(tiny_model, PROMPT)
+        assert b_client.stats()["chunks"] <= 2  # B holds only its own warm-up's chunks
+        # A writes behind to Redis; B sees the chunks once they are there
+        wait_until(lambda: b_client.lookup(keys) == len(keys), 60, "the chunks to reach Redis")
+        y.go("warm")
+        warm = y.wait_done("warm")
+        promotions = b_client.stats()["promotions"]
     assert promotions >= len(keys)  # B loaded them from Redis, not from its own saves
     assert warm["outputs"][0]["num_cached_tokens"] == 576
     assert warm["outputs"][0]["token_ids"] == cold["outputs"][0]["token_ids"]
     assert warm["outputs"][0]["logprobs"] == cold["outputs"][0]["logprobs"]
-
-
-SHARED = random_prompt(8 * CHUNK + BLOCK, 512, seed=31)  # ends one block into a chunk
-FIRST = SHARED + random_prompt(CHUNK - BLOCK + 24, 512, seed=32)
-SECOND = SHARED + random_prompt(CHUNK - BLOCK + 24, 512, seed=33)
 
 
 def test_a_prefix_shared_to_mid_chunk_loads_to_its_last_block_on_the_other_engine(
@@ -88,40 +95,17 @@ def test_a_prefix_shared_to_mid_chunk_loads_to_its_last_block_on_the_other_engin
     a block. Y finds the whole chunks in Redis, and the block through the key of the block prefix of
     X's ninth chunk, which X's sidecar wrote behind as an alias: Y loads all 544 shared tokens, as from
     its own CPU tier, with the reference's tokens. Before, Redis knew chunks only: 512."""
-    pool = {"KVPOOL_POOL_KEY": "one-pool"}
-    a = start_sidecar(tmp_path, "64Mi", [redis.url], "--pool-key-required", env=pool)
-    b = start_sidecar(tmp_path, "64Mi", [redis.url], "--pool-key-required", env=pool)
-    warmup = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=22)], "max_tokens": 2}
-    x = Engine(
-        tmp_path,
-        "x",
-        engine_spec(
-            tiny_model, kvpool_connector(a.info["url"]), [warmup, {"label": "first", "prompts": [FIRST]}]
-        ),
-    )
-    y = Engine(tmp_path, "y", {})
-    second, reference = reference_runs([("second", SECOND)])
-    y.spec = engine_spec(
-        tiny_model,
-        kvpool_connector(b.info["url"]),
-        [warmup, {**second, "wait_for": y.go_file("second")}, reference],
-    )
-    try:
-        x.start()
-        y.start()
+    first = {"label": "first", "prompts": [FIRST]}
+    with two_pods(tmp_path, tiny_model, redis, [first], reference_runs([("second", SECOND)])) as (
+        x,
+        y,
+        b_client,
+    ):
         x.wait_done("first")
-        b_client = SidecarClient(b.info["url"], timeout=5)
         shared = chunk_keys(tiny_namespace(tiny_model), SHARED, 0)  # the last: the 9th chunk's first block
         wait_until(lambda: b_client.lookup(shared[:8]) == 8, 60, "the whole chunks in Redis")
         wait_until(lambda: b_client.first_whole([shared[8:]]) == 0, 60, "the block prefix's alias in Redis")
         y.go("second")
         out = {label: y.wait_done(label)["outputs"][0] for label in ("second", "second-ref")}
-        x.finish()
-        y.finish()
-    finally:
-        x.kill()
-        y.kill()
-        a.stop()
-        b.stop()
     assert out["second"]["num_cached_tokens"] == len(SHARED)
     same_as_reference(out, "second")
