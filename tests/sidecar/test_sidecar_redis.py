@@ -387,3 +387,13 @@ def test_a_block_prefix_saved_on_one_pod_is_found_and_loaded_on_another_through_
     assert load(fresh, [forged]) == {} and load(fresh, [moved]) == {}
     assert redis_stats(fresh)["auth_failures"] == 2 and fresh.stats()["chunks"] == 0
     assert b":0" in redis_call(redis.port, "EXISTS", alias_key(forged))
+    # a chunk changed in Redis, reached through a good alias, is not served and is deleted
+    prefix = key(6, "doc-1-block")
+    redis_call(
+        redis.port, "SET", alias_key(prefix), alias_value(POOL["KVPOOL_POOL_KEY"].encode(), prefix, other)
+    )
+    redis_call(redis.port, "HSET", chunk_key(other), "0", payload(64 * 1024, 99))
+    assert load(fresh, [prefix]) == {} and fresh.stats()["corrupt_dropped"] == 1
+    wait_until(
+        lambda: b":0" in redis_call(redis.port, "EXISTS", chunk_key(other)), 30, "the changed chunk deleted"
+    )

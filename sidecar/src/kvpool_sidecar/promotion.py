@@ -88,17 +88,17 @@ class Promotions:
         fetched = lower.fetch(key)
         if fetched is None or (within is not None and fetched.length > within):
             return False
+        chunk = fetched.key or key  # reached through a block prefix: the chunk, found by it from now on
         # checked over the pieces we were given, never over the arena (which others map)
         if (
             sum(map(len, fetched.pieces)) != fetched.length
             or checksum_pieces(fetched.pieces) != fetched.checksum
         ):
-            log.warning("chunk %s from the lower tier failed its checksum: not served, deleted", key)
+            log.warning("chunk %s from the lower tier failed its checksum: not served, deleted", chunk)
             with self._lock:
                 self.counters.corrupt_dropped += 1
-            lower.deleted(key)  # what is left there is no use to anyone: the next save writes it anew
+            lower.deleted(chunk)  # what is left there is no use to anyone: the next save writes it anew
             return False
-        chunk = fetched.key or key  # reached through a block prefix: the chunk, found by it from now on
         with self._lock:
             if (held := self.index.stored(chunk)) is not None:  # the whole chunk came meanwhile
                 return self.index.pin_into(held, lease)
