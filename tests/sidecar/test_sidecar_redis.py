@@ -397,3 +397,7 @@ def test_a_block_prefix_saved_on_one_pod_is_found_and_loaded_on_another_through_
     wait_until(
         lambda: b":0" in redis_call(redis.port, "EXISTS", chunk_key(other)), 30, "the changed chunk deleted"
     )
+    # its alias now names nothing: the next load misses once and deletes it, so that the next chunk
+    # saved with that prefix can name itself there (the first writer would hold it forever)
+    assert fresh.lookup([prefix]) == 1 and load(fresh, [prefix]) == {}
+    assert b":0" in redis_call(redis.port, "EXISTS", alias_key(prefix)) and fresh.lookup([prefix]) == 0

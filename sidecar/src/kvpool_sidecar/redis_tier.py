@@ -409,8 +409,19 @@ class RedisTier:
         fetched = self._fetch(target) if target is not None else False
         if fetched is False:
             self.counters.add(misses=1)
+            if target is not None:  # its chunk was evicted: let the next chunk saved with it have it
+                self.remove_alias(key)
             return None
         return dataclasses.replace(fetched, key=target) if fetched is not None else None
+
+    def remove_alias(self, prefix: str) -> None:
+        shard = self.shards.holder(prefix)
+        if shard is None or not shard.up:
+            return
+        try:
+            shard.redis.delete(alias_key(prefix))
+        except _ERRORS as e:
+            shard.down(e)
 
     def _alias_target(self, prefix: str) -> str | None:
         """The chunk the alias of `prefix` names; None where there is none, or it fails the MAC
@@ -426,7 +437,7 @@ class RedisTier:
             if target is None:
                 self.counters.add(auth_failures=1)
                 log.warning("alias %s in redis shard %s is not this pool's: deleted", prefix, shard.name)
-                shard.redis.delete(alias_key(prefix))
+                self.remove_alias(prefix)
             return target
         except _ERRORS as e:
             shard.down(e)
