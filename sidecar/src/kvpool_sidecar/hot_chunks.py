@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 import redis
 
 if TYPE_CHECKING:
-    from kvpool_sidecar.redis_shard import Shard, Shards
+    from kvpool_sidecar.redis_shard import Shards
     from kvpool_sidecar.store import Store
 
 log = logging.getLogger(__name__)
@@ -68,13 +68,8 @@ class HotChunks:
         shard that fails is marked down and its counts are let go: they are a hint, not data."""
         with self._lock:
             counts, self._counts = self._counts, Counter()
-        by_shard: dict[int, tuple[Shard, list[tuple[str, int]]]] = {}
-        for key, n in counts.items():
-            shard = shards.holder(key)
-            if shard is not None and shard.up:
-                by_shard.setdefault(id(shard), (shard, []))[1].append((key, n))
         reported = 0
-        for shard, items in by_shard.values():
+        for shard, items in shards.by_holder(counts.items(), key=lambda kv: kv[0]):
             try:
                 pipe = shard.redis.pipeline(transaction=False)
                 for key, n in items:

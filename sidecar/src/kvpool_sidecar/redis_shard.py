@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 from redis.cluster import RedisCluster
@@ -15,6 +16,8 @@ from kvpool_sidecar.redis_connect import connect, redact
 from kvpool_sidecar.wire import checksum
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Lookups run inside vLLM's schedule(): a hung shard may hold one only this long, then it is marked
 # down (the health thread brings it back) and lookups answer from the CPU tier alone.
@@ -159,6 +162,16 @@ class Shards:
         """The shard that holds `key`, up or not; None without shards."""
         shards = self.current
         return max(shards, key=lambda s: s.score(key)) if shards else None
+
+    def by_holder(self, items: Iterable[T], key: Callable[[T], str]) -> list[tuple[Shard, list[T]]]:
+        """`items` grouped by the shard that holds each one's key (one pipeline a shard), in their
+        order; those of shards that are down are left out."""
+        groups: dict[int, tuple[Shard, list[T]]] = {}
+        for item in items:
+            shard = self.holder(key(item))
+            if shard is not None and shard.up:
+                groups.setdefault(id(shard), (shard, []))[1].append(item)
+        return list(groups.values())
 
     def health(self) -> tuple[bool, str]:
         shards = self.current

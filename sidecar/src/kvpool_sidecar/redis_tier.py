@@ -345,12 +345,7 @@ class RedisTier:
     def _write_aliases(self, key: str, prefixes: Sequence[str]) -> None:
         """The chunk's block prefixes, each naming it from its own shard (one pipeline a shard). NX: the
         first chunk written for a prefix keeps it, as in the CPU tier; a failed shard loses only hits."""
-        by_shard: dict[int, tuple[Shard, list[str]]] = {}
-        for prefix in prefixes:
-            shard = self.shards.holder(prefix)
-            if shard is not None and shard.up:
-                by_shard.setdefault(id(shard), (shard, []))[1].append(prefix)
-        for shard, names in by_shard.values():
+        for shard, names in self.shards.by_holder(prefixes, key=str):
             try:
                 pipe = shard.redis.pipeline(transaction=False)
                 for prefix in names:
@@ -361,11 +356,18 @@ class RedisTier:
                 shard.down(e)
 
     def remove(self, key: str) -> None:
+        self._delete_held(key, chunk_key(key))
+
+    def remove_alias(self, prefix: str) -> None:
+        self._delete_held(prefix, alias_key(prefix))
+
+    def _delete_held(self, key: str, name: str) -> None:
+        """Deletes Redis key `name` from the shard that holds `key`, unless that shard is down."""
         shard = self.shards.holder(key)
         if shard is None or not shard.up:
             return
         try:
-            _delete(shard, key)
+            shard.redis.delete(name)
         except _ERRORS as e:
             shard.down(e)
 
@@ -377,13 +379,8 @@ class RedisTier:
         most recent under LRU eviction), one round trip per shard, within LOOKUP_BUDGET_SECONDS; a
         shard that is down, or does not answer in time (then marked down), says no. An alias whose
         chunk was evicted says yes: its load is a miss."""
-        by_shard: dict[int, tuple[Shard, list[int]]] = {}
-        for i, key in enumerate(keys):
-            shard = self.shards.holder(key)
-            if shard is not None and shard.up:
-                by_shard.setdefault(id(shard), (shard, []))[1].append(i)
         found = [False] * len(keys)
-        for shard, idx in by_shard.values():
+        for shard, idx in self.shards.by_holder(range(len(keys)), key=keys.__getitem__):
             try:
                 assert shard.lookup_client is not None  # an up shard has both clients
                 pipe = shard.lookup_client.pipeline(transaction=False)
@@ -413,15 +410,6 @@ class RedisTier:
                 self.remove_alias(key)
             return None
         return dataclasses.replace(fetched, key=target) if fetched is not None else None
-
-    def remove_alias(self, prefix: str) -> None:
-        shard = self.shards.holder(prefix)
-        if shard is None or not shard.up:
-            return
-        try:
-            shard.redis.delete(alias_key(prefix))
-        except _ERRORS as e:
-            shard.down(e)
 
     def _alias_target(self, prefix: str) -> str | None:
         """The chunk the alias of `prefix` names; None where there is none, or it fails the MAC
