@@ -167,11 +167,13 @@ class Store:
         account: bool = True,
         verify: bool = True,
         lease_id: str | None = None,
+        within: int | None = None,
     ) -> tuple[str, list[Slot]]:
         """Pins the longest loadable prefix of `keys`, promoting from Redis when needed. The slots carry
         their checksums; with verify=False the caller checks the bytes itself (see verify()).
         lease_id: the caller's name for the lease, so that a caller whose pin timed out can release
-        it (even before the pin is done: then it pins nothing)."""
+        it (even before the pin is done: then it pins nothing). within: promote only into free room,
+        and only chunks of at most that many bytes (see warm)."""
         lease_id = lease_id or secrets.token_hex(16)
         with self._lock:
             self._check_arena()
@@ -195,7 +197,7 @@ class Store:
                     self.index.unpin(e)
             del entries[good:]
         if promote and len(entries) < len(keys):  # a corrupt chunk may still have a good copy in Redis
-            self._promotions.promote_into(self.lower, keys[len(entries) :], lease)
+            self._promotions.promote_into(self.lower, keys[len(entries) :], lease, within)
         with self._lock:
             if lease.expired:  # expired while we worked: hand nothing out
                 return lease_id, []
@@ -210,19 +212,12 @@ class Store:
         """Promotes `key` from the lower tier into free room only, evicting nothing (a pre-warm must
         not push out what this sidecar holds), if it is at most `within` bytes: the bytes it took, or 0
         (held already, not in the lower tier, larger, or no free extent for it)."""
-        lease_id = secrets.token_hex(16)
         with self._lock:
             if self.index.entry(key) is not None:
                 return 0
-            lease = self.index.lease(lease_id, [])
-        if lease is None:
-            return 0
-        try:
-            self._promotions.promote_into(self.lower, [key], lease, within=within)
-            with self._lock:
-                return sum(e.length for e in lease.entries) if not lease.expired else 0
-        finally:
-            self.release(lease_id)
+        lease_id, slots = self.pin([key], account=False, within=within)
+        self.release(lease_id)
+        return slots[0].length if slots else 0
 
     def release(self, lease_id: str) -> bool:
         with self._lock:
