@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
+from kvpool_connector.common import KVPoolSaveProgress
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import rank_key
 from kvpool_connector.worker import KVPoolWorker
@@ -111,6 +112,7 @@ class Ranks:
         finished, then what finished and what failed, combined over the ranks."""
         meta = so.kv_connector_metadata
         for w in self.workers:
+            w.fence(meta)  # handle_preemptions: before anything writes a block
             w.start_load(meta)
         self._forward(so)
         self._record_saves(so)
@@ -118,7 +120,11 @@ class Ranks:
         for w in self.workers:
             w.finish_step(meta)
             finished = w.get_finished()
-            kv = KVConnectorOutput(finished_recving=finished or None, invalid_block_ids=w.take_load_errors())
+            kv = KVConnectorOutput(
+                finished_recving=finished or None,
+                invalid_block_ids=w.take_load_errors(),
+                kv_connector_worker_meta=KVPoolSaveProgress(w.saved_through()),
+            )
             outputs.append(self._output(so, kv))
         out = self.aggregator.aggregate(outputs)
         assert out is not None
@@ -142,11 +148,13 @@ class Ranks:
         )
 
     def run(self, before_execute=None, lag: int = 0, max_steps: int = 20_000) -> list:
-        """Steps until every request finished. lag=1 plays async scheduling: step N+1 is scheduled
-        before step N's output is seen. before_execute(so) runs after a step is scheduled (faults)."""
+        """Steps until every request finished, and their saves too (they run on the workers' save
+        threads). lag=1 plays async scheduling: step N+1 is scheduled before step N's output is seen.
+        before_execute(so) runs after a step is scheduled (faults)."""
         outputs, pending = [], deque()
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests() and not pending:
+                assert all(w.saver.drain(30) for w in self.workers), "saves did not finish"
                 return outputs
             so = self.scheduler.schedule()
             outputs.append(so)

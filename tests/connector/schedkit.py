@@ -150,8 +150,11 @@ def namespace_of(scheduler: Scheduler):
 
 def model_output(scheduler: Scheduler, so, invalid: set[int] | None = None) -> ModelRunnerOutput:
     """What the workers report for step `so`: a token per scheduled request; every load the step
-    started finished in it (loads are asynchronous), with `invalid` the blocks that failed."""
+    started finished in it (loads are asynchronous), with `invalid` the blocks that failed; every
+    save it planned finished too (the tests store them themselves: save_like_a_worker)."""
     from vllm.v1.outputs import KVConnectorOutput
+
+    from kvpool_connector.common import KVPoolSaveProgress
 
     loaded = {ld.req_id for ld in so.kv_connector_metadata.loads}
     req_ids = list(so.num_scheduled_tokens)
@@ -162,9 +165,11 @@ def model_output(scheduler: Scheduler, so, invalid: set[int] | None = None) -> M
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=None,
-        kv_connector_output=KVConnectorOutput(finished_recving=loaded, invalid_block_ids=invalid or set())
-        if loaded or invalid
-        else None,
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=loaded,
+            invalid_block_ids=invalid or set(),
+            kv_connector_worker_meta=KVPoolSaveProgress(so.kv_connector_metadata.step),
+        ),
     )
 
 

@@ -7,6 +7,10 @@ equal to a clean recompute of it (rankskit.Ranks.wrong_chunks).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -18,6 +22,7 @@ from kvpool_connector.keys import rank_key  # noqa: E402
 
 pytestmark = pytest.mark.vllm_latest
 TOKENS = prompt(4 * CHUNK + 10, 21)  # four full chunks and a tail
+T = TypeVar("T")
 
 
 def _engine(tiny_model, url: str, prompts: list[list[int]], **kw) -> Ranks:
@@ -34,6 +39,14 @@ def _cold(tiny_model, url: str, prompts: list[list[int]] = [TOKENS], **kw) -> Ra
     ranks.run()
     ranks.shutdown()
     return ranks
+
+
+def _slowed(call: Callable[..., T], seconds: float) -> Callable[..., T]:
+    def slow(*args: Any, **kwargs: Any) -> T:
+        time.sleep(seconds)
+        return call(*args, **kwargs)
+
+    return slow
 
 
 def _links(outputs: list) -> list[bytes]:
@@ -174,3 +187,24 @@ def test_a_hung_sidecar_holds_one_lookup_then_the_breaker_answers(tiny_model, si
     s.add_request(make_request(tokens))
     so = s.schedule()
     assert [len(ld.chunks) for ld in so.kv_connector_metadata.loads] == [2]  # asked again, and a hit
+
+
+def test_blocks_vllm_hands_out_again_are_never_saved_with_their_new_kv(tiny_model, sidecar) -> None:
+    """Saves read vLLM's blocks on the save thread, after their step. With 16 blocks only one of these
+    prompts fits at a time and each ends in the step that computes (and saves) its last chunk, so vLLM
+    hands those blocks to the next prompt in the very next step, while their saves may still be
+    queued: the fence makes that step wait for them, and every chunk stored is its clean recompute."""
+    url, client = sidecar
+    scheduler = make_scheduler(tiny_model, url, num_blocks=16, prefix_caching=True, tp_size=2)
+    ranks = Ranks(scheduler, url, num_blocks=16)
+    for w in ranks.workers:  # a slow sidecar: each reservation takes 20 ms (the fault, not a wait)
+        w.client.reserve = _slowed(w.client.reserve, 0.02)
+    seeds = range(31, 37)
+    for seed in seeds:
+        scheduler.add_request(make_request(prompt(4 * CHUNK + 10, seed), max_tokens=1))
+    outputs = ranks.run()
+    assert any(so.kv_connector_metadata.fence for so in outputs)  # blocks were handed out again
+    assert len({s.key for s in ranks.saved if client.get(s.key) is not None}) == len(seeds) * 4 * 2
+    assert ranks.wrong_chunks(client) == []
+    assert_empty(scheduler)
+    ranks.shutdown()

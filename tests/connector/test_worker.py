@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 
 import torch
-from workerkit import Layers, chunk_ops, make_layers, run_loads
+from workerkit import Layers, chunk_ops, make_layers, run_loads, save
 
 from kvpool_connector.breaker import BREAKER_SECONDS, Breaker
 from kvpool_connector.common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
@@ -32,7 +32,7 @@ def test_save_then_load_is_exact_and_misses_become_load_errors(sidecar_factory) 
 
     saves = chunk_ops([[3, 7], [1, 12], [5, 6]])
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, saves)])
-    src.finish_step(meta)
+    save(src, meta)
     assert src.take_stats().data["saved_chunks"] == 3
 
     # the third chunk disappears from the sidecar: its blocks must be reported, the rest loaded
@@ -60,20 +60,20 @@ def test_other_rank_sees_nothing_and_dead_sidecar_is_errors_not_exceptions(sidec
     w1.register_kv_caches(make_layers(None))
     ops = chunk_ops([[0, 1]])
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, ops)])
-    w0.finish_step(meta)
+    save(w0, meta)
     meta = KVPoolMetadata(loads=[LoadSpec("a", ops)])
     assert run_loads(w1, meta) == {0, 1}  # rank 1's key differs from rank 0's
     proc.kill()
     assert run_loads(w0, meta) == {0, 1}
-    w0.finish_step(KVPoolMetadata(saves=[SaveSpec("x", 0, chunk_ops([[2, 3]]))]))  # no exception
+    save(w0, KVPoolMetadata(saves=[SaveSpec("x", 0, chunk_ops([[2, 3]]))]))  # no exception
     assert w0.take_stats().data["sidecar_errors"] >= 2
 
 
 def test_a_hung_sidecar_costs_one_save_timeout_then_saves_skip_it_until_the_breaker_closes(
     sidecar_factory,
 ) -> None:
-    """A step's saves run at its end, inside vLLM's step: with the sidecar hung, one save waits out
-    its timeout; the next steps' saves are skipped without asking (else every step would wait)."""
+    """A step's saves run on the save thread: with the sidecar hung, one save waits out its timeout
+    there; the next steps' saves are skipped without asking (else the queue would fill with waits)."""
     proc = sidecar_factory("16Mi")
     w = KVPoolWorker(KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64, timeout_ms=300), rank=0)
     w.register_kv_caches(make_layers(4))
@@ -81,17 +81,58 @@ def test_a_hung_sidecar_costs_one_save_timeout_then_saves_skip_it_until_the_brea
     w._save_breaker = Breaker(lambda: now[0])
     proc.popen.send_signal(signal.SIGSTOP)
     try:
-        w.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, chunk_ops([[0, 1]]))]))
+        save(w, KVPoolMetadata(saves=[SaveSpec("a", 0, chunk_ops([[0, 1]]))]))
         stats = w.take_stats().data
         assert (stats["sidecar_errors"], stats["saved_chunks"]) == (1, 0)
-        w.finish_step(KVPoolMetadata(saves=[SaveSpec("b", 0, chunk_ops([[2, 3]]))]))
+        save(w, KVPoolMetadata(saves=[SaveSpec("b", 0, chunk_ops([[2, 3]]))]))
         stats = w.take_stats().data  # not asked: asking a stopped sidecar would have timed out again
         assert (stats["sidecar_errors"], stats["save_skipped_chunks"]) == (0, 1)
     finally:
         proc.popen.send_signal(signal.SIGCONT)
     now[0] += BREAKER_SECONDS
-    w.finish_step(KVPoolMetadata(saves=[SaveSpec("c", 0, chunk_ops([[4, 5]]))]))
+    save(w, KVPoolMetadata(saves=[SaveSpec("c", 0, chunk_ops([[4, 5]]))]))
     assert w.take_stats().data["saved_chunks"] == 1
+
+
+def test_a_step_reusing_blocks_waits_for_their_saves_and_a_hung_sidecars_saves_are_dropped(
+    sidecar_factory,
+) -> None:
+    """Saves copy from vLLM's blocks on the save thread, after the step. Before a step writes blocks
+    a save has not read yet (vLLM handed them out again), the fence waits for that save; with the
+    sidecar hung it drops the save instead, so the blocks' new KV is never stored as the old chunk."""
+    proc = sidecar_factory("16Mi")
+    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64, timeout_ms=10_000)
+    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
+    src_layers, dst_layers = make_layers(6), make_layers(None)
+    src.register_kv_caches(src_layers)
+    dst.register_kv_caches(dst_layers)
+    before = [t.clone() for _, t in src_layers]
+
+    def reuse(blocks: list[int]) -> None:  # the next step's forward writes other KV into them
+        for _, t in src_layers:
+            t[blocks] = torch.randn_like(t[blocks])
+
+    kept, dropped = chunk_ops([[3, 7], [5, 6]])
+    src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, [kept])], step=1))
+    src.fence(KVPoolMetadata(fence=1, step=2))
+    reuse([3, 7])
+    proc.popen.send_signal(signal.SIGSTOP)
+    try:
+        src.finish_step(KVPoolMetadata(saves=[SaveSpec("b", 0, [dropped])], step=3))
+        src.fence(KVPoolMetadata(fence=3, step=4))  # waits FENCE_SECONDS at most, then drops it
+        reuse([5, 6])
+    finally:
+        proc.popen.send_signal(signal.SIGCONT)
+    assert src.saver.drain(30)
+    stats = src.take_stats().data
+    assert (stats["saved_chunks"], stats["save_fenced_chunks"]) == (1, 1)
+    client = SidecarClient(proc.info["url"], timeout=5)
+    assert client.lookup([rank_key(dropped.link, 0)]) == 0
+    assert client.stats()["reserved_chunks"] == 0  # its reservation was given back
+    meta = KVPoolMetadata(loads=[LoadSpec("c", [ChunkOp(kept.link, 2, [0, 1])])])
+    assert run_loads(dst, meta) == set()
+    for old, (_, d) in zip(before, dst_layers, strict=True):  # the KV of the step that saved it
+        assert torch.equal(old[3], d[0]) and torch.equal(old[7], d[1])
 
 
 def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(sidecar_factory) -> None:
@@ -101,7 +142,7 @@ def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(s
     proc = sidecar_factory("16Mi")
     src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=3)
     saves = chunk_ops([[0, 1], [2, 3], [4, 5]])
-    src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, saves)]))
+    save(src, KVPoolMetadata(saves=[SaveSpec("a", 0, saves)]))
     client = SidecarClient(proc.info["url"], timeout=5)
     keys = [rank_key(op.link, 0) for op in saves]
     pinned = client.pin(keys)
@@ -132,7 +173,7 @@ def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sid
         assert w.io.chunk_bytes(2, 0) > 65536
         for step in range(3):
             ops = chunk_ops([[2 * step, 2 * step + 1]])
-            w.finish_step(KVPoolMetadata(saves=[SaveSpec(f"r{step}", 0, ops)]))
+            save(w, KVPoolMetadata(saves=[SaveSpec(f"r{step}", 0, ops)]))
         errors = [r for r in caplog.records if r.levelname == "ERROR" and "max-chunk-bytes" in r.getMessage()]
         assert len(errors) == 1
         assert SidecarClient(proc.info["url"]).stats()["reserved_chunks"] == 0
@@ -147,7 +188,7 @@ def test_an_arena_smaller_than_one_chunk_turns_saving_off_with_one_error(sidecar
     w = KVPoolWorker(KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64), rank=0)
     w.register_kv_caches(make_layers(5), chunk_blocks=2)
     assert w.io.chunk_bytes(2, 0) > 65536
-    w.finish_step(KVPoolMetadata(saves=[SaveSpec("r", 0, chunk_ops([[0, 1]]))]))
+    save(w, KVPoolMetadata(saves=[SaveSpec("r", 0, chunk_ops([[0, 1]]))]))
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "--capacity" in errors[0]
     assert SidecarClient(proc.info["url"]).stats()["reserved_chunks"] == 0
@@ -160,7 +201,7 @@ def test_a_block_prefix_key_loads_the_first_blocks_of_the_chunk_that_holds_them(
     (op,) = chunk_ops([[4, 9]])
     prefix_link = b"p" * 16  # the link of its first block alone (the scheduler computes it)
     op.prefixes = [prefix_link]
-    src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, [op])]))
+    save(src, KVPoolMetadata(saves=[SaveSpec("a", 0, [op])]))
     # a one-block span found by that key: the sidecar pins the two-block chunk, the worker loads its
     # first block and checks the whole chunk's checksum
     meta = KVPoolMetadata(loads=[LoadSpec("b", [ChunkOp(prefix_link, 1, [11])])])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workerkit import Layers, chunk_ops, make_layers, run_loads
+from workerkit import Layers, chunk_ops, make_layers, run_loads, save
 
 from kvpool_connector.common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
 from kvpool_connector.config import KVPoolConfig
@@ -42,7 +42,7 @@ def test_cuda_save_then_load_is_exact_and_the_arena_is_registered_once(sidecar_f
     meta = KVPoolMetadata(saves=[SaveSpec("a", 0, saves)])
     for name, _ in src_layers:  # as vLLM calls it inside the forward, layer by layer
         src.save_layer(name, meta)
-    src.finish_step(meta)
+    save(src, meta)
     assert src.take_stats().data["saved_chunks"] == 3
     loads = [ChunkOp(op.link, 2, ids) for op, ids in zip(saves, [[0, 2], [4, 8], [9, 10]], strict=True)]
     assert run_loads(dst, KVPoolMetadata(loads=[LoadSpec("b", loads)])) == set()
@@ -64,7 +64,7 @@ def test_cuda_corrupt_chunk_never_reaches_the_device(sidecar_factory) -> None:
     dst_layers = _layers(None)
     dst.register_kv_caches(dst_layers)
     saves = chunk_ops([[0, 1], [2, 3]])
-    src.finish_step(KVPoolMetadata(saves=[SaveSpec("a", 0, saves)]))
+    save(src, KVPoolMetadata(saves=[SaveSpec("a", 0, saves)]))
     client = SidecarClient(proc.info["url"], timeout=5)
     pinned = client.pin([rank_key(saves[1].link, 0)])
     client.arena()[pinned.slots[0].offset + 100] ^= 0x01

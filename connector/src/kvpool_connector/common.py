@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -40,3 +40,19 @@ class KVPoolMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     idle: bool = False  # no token is computed in this step: the worker may wait for its loads
+    step: int = 0  # the scheduler's step: names this step's saves
+    # this step writes blocks that saves of steps <= fence may not have read yet: before it runs,
+    # the worker makes sure none of them reads a block any more (saver.py); 0: none
+    fence: int = 0
+
+
+@dataclass
+class KVPoolSaveProgress(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: every save planned at a step <= saved_through has finished (the
+    lowest over the ranks), so a lookup needing one of them need not wait for it."""
+
+    saved_through: int
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVPoolSaveProgress)
+        return KVPoolSaveProgress(min(self.saved_through, other.saved_through))

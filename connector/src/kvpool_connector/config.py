@@ -30,6 +30,9 @@ class KVPoolConfig:
     # OffloadingConnector names its CPU tier and routers weight out of the box (llm-d: gpu 1.0, cpu
     # 0.8); a name of kvpool's own (e.g. KVPOOL) counts once the router is given a weight for it.
     kv_events_medium: str = "CPU"
+    # Saves run on a thread beside the engine (saver.py); false runs them inside the step, at its end
+    # (what kvpool did before; `bench steps` measures one against the other).
+    async_saves: bool = True
 
 
 # key -> (accepted types, check on the value or None, what a valid value is)
@@ -47,6 +50,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "pool": ((str, type(None)), None, "a string or null"),
     "model_fingerprint": ((str, type(None)), lambda v: v is None or bool(v), "a non-empty string or null"),
     "kv_events_medium": ((str,), bool, "a non-empty string"),
+    "async_saves": ((bool,), None, "true or false"),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(KVPoolConfig)}
 

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .common import KVPoolMetadata
+from .common import KVPoolMetadata, KVPoolSaveProgress
 from .config import load_config
 from .engine_report import engine_name, report_engine
 from .kv_events import KVPoolEvents, events_enabled, hash_block_size
@@ -188,9 +188,17 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         self._worker.save_layer(layer_name, self._meta())
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step touches a block: saves still reading blocks it reuses finish (saver.py)."""
+        if self.worker is not None and isinstance(kv_connector_metadata, KVPoolMetadata):
+            self.worker.fence(kv_connector_metadata)
+
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
             self._worker.finish_step(self._meta())
+
+    def build_connector_worker_meta(self) -> KVPoolSaveProgress | None:
+        return KVPoolSaveProgress(self.worker.saved_through()) if self.worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self.worker.take_load_errors() if self.worker else set()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool_sidecar.client_errors import SidecarError, SidecarTimeout
 
 from .breaker import BREAKER_SECONDS, Breaker
-from .common import ChunkOp, KVPoolMetadata, LoadSpec, SaveSpec
+from .common import ChunkOp, KVPoolMetadata, KVPoolSaveProgress, LoadSpec, SaveSpec
 from .config import KVPoolConfig, sidecar_client
 from .keys import Extras, Namespace, chain, group_link, new_generation, rank_key
 from .kv_events import KVPoolEvents
@@ -36,6 +36,9 @@ NULL_BLOCK = 0
 # this many steps or seconds, whichever ends first (each ask is a round trip inside schedule())
 REASK_STEPS = 16
 REASK_SECONDS = 1.0
+# A lookup that needs a chunk this engine is saving right now (saver.py) waits for that save, a step
+# or two; a save not reported finished this long after it was planned is waited for no more.
+SAVE_WAIT_SECONDS = 1.0
 
 
 @dataclass
@@ -98,6 +101,11 @@ class KVPoolScheduler:
         self.reqs: dict[str, _ReqState] = {}
         self.stats = KVPoolStats()
         self.events = events  # None: the engine publishes no KV cache events (nothing is tracked)
+        # Saves run on the workers' save threads (saver.py). The step of the newest save reading each
+        # block, for the fence when vLLM hands the block out again; the chunks of saves the workers
+        # have not reported finished (link -> step, time planned), which a lookup waits for.
+        self._reading: dict[int, int] = {}
+        self._unsaved: dict[bytes, tuple[int, float]] = {}
 
     # --- keys ------------------------------------------------------------------------------------
 
@@ -149,7 +157,9 @@ class KVPoolScheduler:
 
     # --- lookups ---------------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         st = self._state(request)
         st.lookup = None
         if st.load_failed:
@@ -164,14 +174,21 @@ class KVPoolScheduler:
             self.stats.add("lookups_reused")
         else:
             now = self._clock()  # before the round trip: the answer is at most this old
-            answer = self._lookup(st, request, num_computed_tokens)
+            found, load_async = self._lookup(st, request, num_computed_tokens)
+            if found is None:  # ask again next step, once the save it waits for has finished
+                return None, False
             spans: list[Span] = st.lookup[1] if st.lookup is not None else []
-            asked = st.asked = _Asked(num_computed_tokens, self._steps, now, answer, spans)
+            asked = st.asked = _Asked(num_computed_tokens, self._steps, now, (found, load_async), spans)
         if asked.answer[0]:
             st.lookup = (num_computed_tokens, asked.spans)
         return asked.answer
 
-    def _lookup(self, st: _ReqState, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def _saving(self, links: list[bytes]) -> bool:
+        """Whether a save of one of `links` planned in the last SAVE_WAIT_SECONDS is still running."""
+        now = self._clock()
+        return any(now - at < SAVE_WAIT_SECONDS for _, at in filter(None, map(self._unsaved.get, links)))
+
+    def _lookup(self, st: _ReqState, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         # a full-prompt hit still recomputes the last token: vLLM needs its logits
         limit = align_down(request.num_prompt_tokens - 1, self.block_size)
         spans = [
@@ -182,6 +199,10 @@ class KVPoolScheduler:
         links = self._links(st, spans)
         if links is None:
             return 0, False
+        ahead = [link for s, link in zip(spans, links, strict=True) if s[1] > num_computed_tokens]
+        if self._unsaved and self._saving(ahead):
+            self.stats.add("lookups_deferred")
+            return None, False
         if self._breaker.open:
             self.stats.add("lookups_skipped")
             return 0, False
@@ -315,13 +336,16 @@ class KVPoolScheduler:
 
     def build_connector_meta(self, so: SchedulerOutput) -> KVPoolMetadata:
         self._steps += 1
-        meta = KVPoolMetadata(idle=so.total_num_scheduled_tokens == 0)
+        meta = KVPoolMetadata(idle=so.total_num_scheduled_tokens == 0, step=self._steps)
         for waiting in self.reqs.values():  # loads of requests waiting for them (not scheduled now)
             if waiting.load is not None:
                 spec = self._load_spec(waiting)
                 meta.loads.append(spec)
                 waiting.loading = {b for op in spec.chunks for b in op.block_ids}
                 waiting.load = None
+        if self._reading:
+            reused = [self._reading.pop(b) for b in self._handed_out(so, meta.loads) if b in self._reading]
+            meta.fence = max(reused, default=0)
         computed: dict[str, int] = {}
         for new in so.scheduled_new_reqs:
             if (st := self.reqs.get(new.req_id)) is not None:
@@ -345,9 +369,25 @@ class KVPoolScheduler:
             end = num_computed + so.num_scheduled_tokens.get(req_id, 0)
             if (save := self._save_spec(st, end, num_computed)) is not None:
                 meta.saves.append(save)
+        for save in meta.saves:
+            for op in save.chunks:
+                self._reading.update(dict.fromkeys(op.block_ids, self._steps))
         if self.events is not None:
             self.events.planned()
         return meta
+
+    def _handed_out(self, so: SchedulerOutput, loads: list[LoadSpec]) -> set[int]:
+        """The blocks vLLM handed out for this step, which it may write: new requests' blocks past
+        their prefix-cache hit, running and resumed requests' new blocks, the blocks loads fill."""
+        bs = self.block_size
+        out = {b for spec in loads for op in spec.chunks for b in op.block_ids}
+        for new in so.scheduled_new_reqs:
+            for ids in new.block_ids:
+                out.update(ids[new.num_computed_tokens // bs :])
+        for new_ids in so.scheduled_cached_reqs.new_block_ids:
+            for ids in new_ids or ():
+                out.update(ids)
+        return out
 
     def _ops(self, st: _ReqState, spans: list[Span], clip: Span) -> list[ChunkOp]:
         bs = self.block_size
@@ -412,7 +452,9 @@ class KVPoolScheduler:
             return None
         bs = self.block_size
         ops = []
+        now = self._clock()
         for s, link in zip(todo, links, strict=True):
+            self._unsaved[link] = (self._steps, now)
             groups = [g for g in range(len(self.windows)) if self._in_window(st, s, computed_before, g)]
             ops += [
                 ChunkOp(
@@ -433,6 +475,15 @@ class KVPoolScheduler:
     # --- worker results, request end -------------------------------------------------------------
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if self._unsaved:
+            progress = getattr(output, "kv_connector_worker_meta", None)
+            through = progress.saved_through if isinstance(progress, KVPoolSaveProgress) else 0
+            now = self._clock()
+            self._unsaved = {
+                link: (step, at)
+                for link, (step, at) in self._unsaved.items()
+                if step > through and now - at < SAVE_WAIT_SECONDS
+            }
         bad = set(getattr(output, "invalid_block_ids", None) or ())
         # a hybrid model's failed loads come as whole requests (block ids are per group there): vLLM
         # recomputes them from the start, and their chunks are saved again
@@ -459,7 +510,8 @@ class KVPoolScheduler:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self.reqs.pop(request.request_id, None)
-        return False, None  # saves are complete when a step ends: the blocks may be freed now
+        # its blocks may be freed now: a save still reading one is fenced when vLLM hands it out again
+        return False, None
 
     def reset_cache(self) -> bool:
         """vLLM reset its caches (reset_prefix_cache(reset_connector=True): an RL weight sync, new

@@ -4,10 +4,12 @@ Loads are asynchronous (loader.py): no step of the loading request, no other req
 blocks through vLLM's prefix cache (which caches them only after the load), and no other rank (vLLM
 waits for every rank's report) ever computes over a block that failed.
 
-Saves run after the forward (wait_for_save): reserve, copy out, commit with the checksum of the
-source blocks; the sidecar refuses a commit whose reservation is no longer this writer's. Nothing
-here raises into vLLM: a cache failure is a miss or a recompute. On CUDA the copies go through private
-pinned buffers on a side stream (see chunk_io.py); that path has not run here: no GPU was available.
+Saves leave the step (saver.py): at its end (wait_for_save) a step's chunks go to the save thread,
+which reserves, copies out and commits them with the checksum of the source blocks while vLLM runs on;
+the sidecar refuses a commit whose reservation is no longer this writer's. A step that reuses blocks a
+save has not read yet waits for it first (fence, from vLLM's handle_preemptions). Nothing here raises
+into vLLM: a cache failure is a miss or a recompute. On CUDA the copies go through private pinned
+buffers on a side stream (see chunk_io.py); that path has not run here: no GPU was available.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .logs import connector_logger
 from .metrics import KVPoolStats
 from .paged import PagedLayer
 from .ratelimit import RateLimitedLog
+from .saver import SaveJob, SaveQueue
 
 log = connector_logger(__name__)
 
@@ -66,6 +69,7 @@ class KVPoolWorker:
         self._save_breaker = Breaker()  # a save waited out its timeout: the next steps do not wait
         self._warn = RateLimitedLog(log)
         self.loader = ChunkLoader(self.client, rank, self.stats, self._warn)
+        self.saver = SaveQueue(self._run_save, threaded=cfg.async_saves)
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -173,7 +177,8 @@ class KVPoolWorker:
             self._saves = []
 
     def finish_step(self, meta: KVPoolMetadata) -> None:
-        """Completes this step's saves: after this returns, no block is read any more."""
+        """Hands this step's saves to the save thread; after this returns, the CUDA path reads no block
+        (its bounce buffers are complete), the CPU path's reads are fenced (fence)."""
         if self._stream is not None:
             try:
                 if meta.saves:
@@ -185,36 +190,69 @@ class KVPoolWorker:
             saves, self._saves, self._saves_of = self._saves, [], None
         else:
             saves = self._planned(meta.saves)
+        self.saver.note(meta.step)
         if not saves:
             return
-        if self._save_breaker.open:  # the sidecar is hung: a step's end never waits on it again
+        if self._save_breaker.open:  # the sidecar is hung: its saves are skipped, not queued
             self.stats.add("save_skipped_chunks", len(saves))
+            return
+        if not self.saver.put(SaveJob(meta.step, saves, reads_blocks=self._stream is None)):
+            self.stats.add("save_skipped_chunks", len(saves))  # the sidecar is this far behind
+
+    def fence(self, meta: KVPoolMetadata) -> None:
+        """Before a step that reuses blocks (handle_preemptions): no save of a step <= meta.fence reads
+        them any more. Saves a slow sidecar kept from copying in time are dropped: a future miss."""
+        if meta.fence:
+            fenced = self.saver.fence(meta.fence)
+            if fenced:
+                self.stats.add("save_fenced_chunks", sum(len(job.saves) for job in fenced))
+
+    def saved_through(self) -> int:
+        return self.saver.saved_through()
+
+    def _run_save(self, job: SaveJob) -> None:
+        """One step's saves, on the save thread."""
+        if self._save_breaker.open:  # tripped by an earlier step's save while this one was queued
+            self.stats.add("save_skipped_chunks", len(job.saves))
             return
         t0 = time.perf_counter()
         try:
-            self._save(saves)
+            self._save(job)
         except Exception:  # a bug: a future miss, never a failed request
-            self._warn.exception("save-bug", "kvpool: saving %d chunks failed", len(saves))
+            self._warn.exception("save-bug", "kvpool: saving %d chunks failed", len(job.saves))
         self.stats.add("save_seconds", time.perf_counter() - t0)
 
-    def _save(self, saves: list[_Save]) -> None:
+    def _reserve(self, saves: list[_Save]) -> list[tuple[_Save, Slot]]:
+        """Slots for the chunks the sidecar takes, by priority (higher ones may evict lower ones)."""
+        reserved = []
+        for priority in dict.fromkeys(s.priority for s in saves):
+            group = [s for s in saves if s.priority == priority]
+            slots = self.client.reserve(
+                [(s.key, self.io.chunk_bytes(s.op.chunk_blocks, s.op.group)) for s in group],
+                priority=priority,
+                groups={s.key: s.op.link.hex() for s in group},  # every rank's copy: one group
+                prefixes={s.key: [rank_key(link, self.rank) for link in s.op.prefixes] for s in group},
+            )
+            for s, slot in zip(group, slots, strict=True):
+                if slot is None:
+                    self.stats.add("save_skipped_chunks")  # stored already, or no room
+                else:
+                    reserved.append((s, slot))
+        return reserved
+
+    def _save(self, job: SaveJob) -> None:
+        reserved: list[tuple[_Save, Slot]] = []
         written: list[tuple[Slot, int]] = []
-        reserved: list[Slot] = []
         try:
-            for priority in dict.fromkeys(s.priority for s in saves):
-                group = [s for s in saves if s.priority == priority]
-                slots = self.client.reserve(
-                    [(s.key, self.io.chunk_bytes(s.op.chunk_blocks, s.op.group)) for s in group],
-                    priority=priority,
-                    groups={s.key: s.op.link.hex() for s in group},  # every rank's copy: one group
-                    prefixes={s.key: [rank_key(link, self.rank) for link in s.op.prefixes] for s in group},
-                )
-                for s, slot in zip(group, slots, strict=True):
-                    if slot is None:
-                        self.stats.add("save_skipped_chunks")  # stored already, or no room
-                        continue
-                    reserved.append(slot)
-                    written.append((slot, self._write(s, slot)))
+            reserved = self._reserve(job.saves)
+            if reserved and not self.saver.start_copy(job):  # fenced off (counted by fence)
+                with contextlib.suppress(SidecarError):
+                    self.client.abort([slot for _, slot in reserved])
+                return
+            try:
+                written = [(slot, self._write(s, slot)) for s, slot in reserved]
+            finally:
+                self.saver.end_copy(job)
             committed = self.client.commit(written)
         except SidecarRefused as e:
             self._refused(e)
@@ -227,11 +265,11 @@ class KVPoolWorker:
             committed = []
         except SidecarError as e:
             self.stats.add("sidecar_errors")
-            self._warn.warning("save", "kvpool: saving %d chunks failed: %s", len(saves), e)
+            self._warn.warning("save", "kvpool: saving %d chunks failed: %s", len(job.saves), e)
             committed = []
         if len(committed) < len(reserved) and not self._save_breaker.open:
             with contextlib.suppress(SidecarError):  # the reservations expire by themselves too
-                self.client.abort(reserved)
+                self.client.abort([slot for _, slot in reserved])
         done = [slot for (slot, _), ok in zip(written, committed, strict=False) if ok]
         refused = sum(1 for ok in committed if not ok)
         if refused:
@@ -266,6 +304,7 @@ class KVPoolWorker:
         return self.stats.take()
 
     def shutdown(self) -> None:
+        self.saver.close()  # queued saves dropped; none writes the arena after this
         self.loader.shutdown()  # no copy reads the arena after this
         self._mapping.close()
         self.client.close()
