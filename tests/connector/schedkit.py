@@ -148,10 +148,13 @@ def namespace_of(scheduler: Scheduler):
     return engine_namespace(scheduler.vllm_config, scheduler.kv_cache_config, CHUNK)
 
 
-def model_output(scheduler: Scheduler, so, invalid: set[int] | None = None) -> ModelRunnerOutput:
+def model_output(
+    scheduler: Scheduler, so, invalid: set[int] | None = None, saved_through: int | None = None
+) -> ModelRunnerOutput:
     """What the workers report for step `so`: a token per scheduled request; every load the step
     started finished in it (loads are asynchronous), with `invalid` the blocks that failed; every
-    save it planned finished too (the tests store them themselves: save_like_a_worker)."""
+    save it planned finished too (the tests store them themselves: save_like_a_worker), unless
+    `saved_through` names an earlier step."""
     from vllm.v1.outputs import KVConnectorOutput
 
     from kvpool_connector.common import KVPoolSaveProgress
@@ -168,7 +171,9 @@ def model_output(scheduler: Scheduler, so, invalid: set[int] | None = None) -> M
         kv_connector_output=KVConnectorOutput(
             finished_recving=loaded,
             invalid_block_ids=invalid or set(),
-            kv_connector_worker_meta=KVPoolSaveProgress(so.kv_connector_metadata.step),
+            kv_connector_worker_meta=KVPoolSaveProgress(
+                so.kv_connector_metadata.step if saved_through is None else saved_through
+            ),
         ),
     )
 

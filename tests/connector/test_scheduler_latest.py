@@ -266,3 +266,29 @@ def test_a_request_waiting_for_room_is_not_looked_up_every_step(tiny_model, side
     assert counters["lookups"] <= 2 + waited // 16  # asked anew every 16 steps at most, not every step
     assert counters["lookups_reused"] >= waited - 2 - waited // 16
     assert_empty(s)
+
+
+def test_a_prompt_sent_again_while_its_chunks_are_being_saved_waits_for_them(tiny_model, sidecar) -> None:
+    """Saves finish on the workers' save threads after their step: a prompt sent again before the
+    workers report them finished is not looked up (it would miss and compute everything) but waits,
+    then loads what the first run saved."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    tokens = prompt(64, 40)  # two chunks, computed in one step
+    s.add_request(make_request(tokens, max_tokens=1))
+    outputs = []
+    while s.has_unfinished_requests():  # the workers report no save finished
+        outputs.append(so := s.schedule())
+        s.update_from_output(so, model_output(s, so, saved_through=0))
+    again = make_request(tokens, max_tokens=1)
+    s.add_request(again)
+    so = s.schedule()
+    assert again.status == RequestStatus.WAITING and not so.scheduled_new_reqs
+    assert s.connector.scheduler.stats.data["lookups_deferred"] == 1
+    s.update_from_output(so, model_output(s, so, saved_through=0))
+    save_like_a_worker(client, outputs)  # the save threads finish and say so
+    so = s.schedule()
+    s.update_from_output(so, model_output(s, so))
+    later = run_to_end(s)
+    assert first_computed([so, *later]) == 48  # loaded, not computed (63 tokens, aligned to the block)
+    assert_empty(s)
