@@ -27,7 +27,7 @@ MAX_QUEUED_STEPS = 64
 # How long a worker shutting down lets its queued saves finish.
 CLOSE_DRAIN_SECONDS = 5.0
 
-QUEUED, RESERVING, COPYING, COPIED, FENCED = "queued", "reserving", "copying", "copied", "fenced"
+QUEUED, COPYING, COPIED, FENCED = "queued", "copying", "copied", "fenced"  # QUEUED: not copying yet
 
 
 @dataclass(eq=False)
@@ -39,7 +39,7 @@ class SaveJob:
 
     def reads(self, through: int) -> bool:
         """Whether this job still reads (or may still read) vLLM's blocks for a fence at `through`."""
-        return self.reads_blocks and self.step <= through and self.state in (QUEUED, RESERVING, COPYING)
+        return self.reads_blocks and self.step <= through and self.state in (QUEUED, COPYING)
 
 
 class SaveQueue:
@@ -58,8 +58,8 @@ class SaveQueue:
         self._thread: threading.Thread | None = None
 
     def put(self, job: SaveJob) -> bool:
-        """Queues a step's saves; False when MAX_QUEUED_STEPS are queued already (skip them)."""
-        self.note(job.step)
+        """Queues a step's saves (the caller has noted its step); False when MAX_QUEUED_STEPS are queued
+        already (skip them)."""
         if not self._threaded:
             self._busy = job
             try:
@@ -90,8 +90,6 @@ class SaveQueue:
                 if not self._queue:
                     return
                 job = self._busy = self._queue.popleft()
-                if job.state == QUEUED:
-                    job.state = RESERVING
             try:
                 if job.state != FENCED:
                     self._run(job)
