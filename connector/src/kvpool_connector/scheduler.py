@@ -103,7 +103,7 @@ class KVPoolScheduler:
         self.events = events  # None: the engine publishes no KV cache events (nothing is tracked)
         # Saves run on the workers' save threads (saver.py). The step of the newest save reading each
         # block, for the fence when vLLM hands the block out again; the chunks of saves the workers
-        # have not reported finished (link -> step, time planned), which a lookup waits for.
+        # have not reported finished (link -> step, time planned; oldest first), which a lookup waits for.
         self._reading: dict[int, int] = {}
         self._unsaved: dict[bytes, tuple[int, float]] = {}
 
@@ -454,6 +454,7 @@ class KVPoolScheduler:
         ops = []
         now = self._clock()
         for s, link in zip(todo, links, strict=True):
+            self._unsaved.pop(link, None)  # to the end: the dict stays in planning order
             self._unsaved[link] = (self._steps, now)
             groups = [g for g in range(len(self.windows)) if self._in_window(st, s, computed_before, g)]
             ops += [
@@ -479,11 +480,12 @@ class KVPoolScheduler:
             progress = getattr(output, "kv_connector_worker_meta", None)
             through = progress.saved_through if isinstance(progress, KVPoolSaveProgress) else 0
             now = self._clock()
-            self._unsaved = {
-                link: (step, at)
-                for link, (step, at) in self._unsaved.items()
-                if step > through and now - at < SAVE_WAIT_SECONDS
-            }
+            # in planning order, so the finished and the expired are a prefix: no walk over the rest
+            while self._unsaved:
+                link, (step, at) = next(iter(self._unsaved.items()))
+                if step > through and now - at < SAVE_WAIT_SECONDS:
+                    break
+                del self._unsaved[link]
         bad = set(getattr(output, "invalid_block_ids", None) or ())
         # a hybrid model's failed loads come as whole requests (block ids are per group there): vLLM
         # recomputes them from the start, and their chunks are saved again
