@@ -19,9 +19,9 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from kvpool_connector.common import KVPoolSaveProgress
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import rank_key
+from kvpool_connector.vllm_types import KVPoolSaveProgress
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_sidecar.client import SidecarClient
 

@@ -157,7 +157,7 @@ def model_output(
     `saved_through` names an earlier step."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    from kvpool_connector.common import KVPoolSaveProgress
+    from kvpool_connector.vllm_types import KVPoolSaveProgress
 
     loaded = {ld.req_id for ld in so.kv_connector_metadata.loads}
     req_ids = list(so.num_scheduled_tokens)

@@ -41,7 +41,7 @@ def test_a_copy_in_flight_survives_a_restart_with_a_smaller_arena(tmp_path: Path
         port, arena_dir = big.info["port"], big.info["arena_dir"]
         _put_last(big.info["url"], b"q" * MiB)
         slot = SidecarClient(big.info["url"]).pin([KEY]).slots[0]
-        mapping = ArenaMapping(lambda: str(arena_dir / "arena"), cuda=False)
+        mapping = ArenaMapping(lambda: str(arena_dir / "arena"))
         view = mapping.slot(slot.epoch, slot.offset, slot.length)  # a copy that goes on ...
         big.stop()
         small = start_sidecar(__import__("pathlib").Path({str(tmp_path)!r}), "1Mi", port=port)
@@ -60,7 +60,7 @@ def test_a_copy_in_flight_survives_a_restart_with_a_smaller_arena(tmp_path: Path
 def test_after_a_restart_with_a_bigger_arena_the_worker_maps_all_of_it(tmp_path: Path) -> None:
     small = start_sidecar(tmp_path, "1Mi")
     port, arena_dir = small.info["port"], small.info["arena_dir"]
-    mapping = ArenaMapping(lambda: str(arena_dir / ARENA_FILE), cuda=False)
+    mapping = ArenaMapping(lambda: str(arena_dir / ARENA_FILE))
     c = SidecarClient(small.info["url"], timeout=5)
     assert c.put(KEY, b"s" * 4096)
     first = c.pin([KEY]).slots[0]

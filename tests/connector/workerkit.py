@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from kvtest import wait_until
 
-from kvpool_connector.common import ChunkOp, KVPoolMetadata
+from kvpool_connector.common import ChunkOp, StepPlan
 from kvpool_connector.keys import chain
 from kvpool_connector.worker import KVPoolWorker
 
@@ -29,13 +29,13 @@ def chunk_ops(blocks: list[list[int]]) -> list[ChunkOp]:
     return [ChunkOp(link, 2, ids) for link, ids in zip(links, blocks, strict=True)]
 
 
-def save(worker: KVPoolWorker, meta: KVPoolMetadata, timeout: float = 30) -> None:
+def save(worker: KVPoolWorker, meta: StepPlan, timeout: float = 30) -> None:
     """Ends a step as vLLM does (its saves go to the save thread), then waits for them to finish."""
     worker.finish_step(meta)
     assert worker.saver.drain(timeout), "the step's saves did not finish"
 
 
-def run_loads(worker: KVPoolWorker, meta: KVPoolMetadata, timeout: float = 30) -> set[int]:
+def run_loads(worker: KVPoolWorker, meta: StepPlan, timeout: float = 30) -> set[int]:
     """Runs the step's loads as vLLM does (asynchronously): start them, then collect get_finished()
     step after step until every request is reported; returns the blocks that failed."""
     worker.start_load(meta)

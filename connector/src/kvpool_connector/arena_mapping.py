@@ -1,11 +1,16 @@
 """The worker's mapping of the sidecar's arena: mapped once, for the worker's life.
 
-A copy in flight (a load on the copy thread, a DMA on CUDA) reads or writes the mapping, so no error
-path may unmap it: a failed sidecar call drops the connection, never the mapping. Offsets are used
+A copy in flight (on the load, save or copy threads) reads or writes the mapping, so no error path may
+unmap it: a failed sidecar call drops the connection, never the mapping. Offsets are used
 only in the arena whose epoch the sidecar named with them (wire.ARENA_HEADER): a restarted sidecar
 writes a new epoch into the same file, which this mapping sees at once, so an offset handed out by
 the old one is refused. When the path holds a new file (a new pod volume, a new --capacity), it is
 mapped beside the old one; old mappings stay until shutdown, when nothing copies any more.
+
+The mapping is not registered with CUDA (cudaHostRegister): no DMA reads or writes it. On a GPU every
+byte passes through a private pinned buffer where it is hashed (chunk_io.py), so registering the arena
+would only pin all of it (42 ms a GiB on an H100 host), and a failed registration leaves CUDA's last
+error set, which the next CUDA call of the process then raised: every load failed (measured, #26).
 """
 
 from __future__ import annotations
@@ -22,10 +27,6 @@ import torch
 from kvpool_sidecar.client_errors import SidecarUnavailable
 from kvpool_sidecar.wire import arena_epoch, map_populated
 
-from .logs import connector_logger
-
-log = connector_logger(__name__)
-
 
 class ArenaChanged(SidecarUnavailable):
     """The sidecar named an epoch this worker's mapping does not show (it restarted meanwhile)."""
@@ -36,15 +37,13 @@ class _Mapped:
     mmap: mmap.mmap
     tensor: torch.Tensor
     identity: tuple[int, int, int]  # (st_dev, st_ino, size) of the file mapped
-    registered: bool = False
 
 
 class ArenaMapping:
-    def __init__(self, path: Callable[[], str], cuda: bool) -> None:
+    def __init__(self, path: Callable[[], str]) -> None:
         """path: where the arena file is (asked once, at the first use)."""
         self._path_of = path
         self._path: str | None = None
-        self._cuda = cuda
         self._current: _Mapped | None = None
         self._all: list[_Mapped] = []
         self._lock = threading.Lock()
@@ -88,11 +87,6 @@ class ArenaMapping:
         finally:
             os.close(fd)
         mapped = _Mapped(m, torch.frombuffer(m, dtype=torch.uint8), identity)
-        if self._cuda:  # pinned for DMA once per mapping; unregistered at close
-            err = torch.cuda.cudart().cudaHostRegister(mapped.tensor.data_ptr(), mapped.tensor.numel(), 0)
-            mapped.registered = int(err) == 0
-            if not mapped.registered:
-                log.warning("kvpool: cudaHostRegister of the arena failed (%s); copies will not be DMA", err)
         self._all.append(mapped)
         self._current = mapped
         return mapped
@@ -101,8 +95,6 @@ class ArenaMapping:
         """At shutdown, after every copy has finished."""
         with self._lock:
             for mapped in self._all:
-                if mapped.registered:
-                    torch.cuda.cudart().cudaHostUnregister(mapped.tensor.data_ptr())
                 with contextlib.suppress(BufferError):  # still exported: the OS unmaps at exit
                     mapped.mmap.close()
             self._all.clear()

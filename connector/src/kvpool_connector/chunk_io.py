@@ -81,28 +81,62 @@ class ChunkIO:
                 h.update(buf)
         return h.intdigest()
 
-    # --- CUDA: through a private pinned buffer, on a side stream ----------------------------------
+    # --- CUDA: through private pinned buffers, on a side stream ------------------------------------
 
     def bounce(self, num_blocks: int, group: int = 0) -> torch.Tensor:
-        """A private pinned host buffer for one chunk (PyTorch's pinned allocator caches them)."""
+        """A private pinned host buffer for `num_blocks` blocks of a group's layers (PyTorch's pinned
+        allocator caches them, and reuses one only after the copies queued on it have run)."""
         return torch.empty(self.chunk_bytes(num_blocks, group), dtype=torch.uint8, pin_memory=True)
 
-    def load_cuda(self, bounce: torch.Tensor, op: ChunkOp, stream: torch.cuda.Stream) -> None:
-        """Queues the copy of `op`'s blocks from a verified bounce buffer to the device, on `stream`."""
-        ids = self.ids(op)
-        lo, hi = op.first_block, op.first_block + len(op.block_ids)
+    def device_ids(self, block_ids: list[int], stream: torch.cuda.Stream) -> torch.Tensor:
+        """Block ids on the device, copied on `stream` from pinned memory: a pageable copy would wait
+        for the stream (and, on the loader's thread, for the default stream)."""
         with torch.cuda.stream(stream):
-            for i in self.groups[op.group]:
-                layer, rows = self.layers[i], self.rows(bounce, op.chunk_blocks, i)[lo:hi]
-                layer.scatter(ids, rows.to(layer.device, non_blocking=True))
+            pinned = torch.tensor(block_ids, dtype=torch.int64).pin_memory()
+            return pinned.to(self.layers[0].device, non_blocking=True)
 
-    def save_layer_cuda(
-        self, bounce: torch.Tensor, op: ChunkOp, layer: int, stream: torch.cuda.Stream
+    def copy_out_layer(
+        self, staged: torch.Tensor, total: int, ids: torch.Tensor, layer: int, stream: torch.cuda.Stream
     ) -> None:
-        """Queues one layer of `op`'s blocks to the bounce buffer, on `stream` behind the forward."""
+        """Queues one layer of a step's saves (`total` blocks `ids`, chunk after chunk) into the rows
+        rows(staged, total, layer) of their pinned buffer, on `stream` behind the forward's writes: one
+        gather and one DMA a layer, whatever the number of chunks."""
         lay = self.layers[layer]
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            staging = torch.empty((len(op.block_ids), lay.page_bytes), dtype=torch.uint8, device=lay.device)
-            lay.gather(self.ids(op), staging)
-            self.rows(bounce, op.chunk_blocks, layer).copy_(staging, non_blocking=True)
+            rows = torch.empty((total, lay.page_bytes), dtype=torch.uint8, device=lay.device)
+            lay.gather(ids, rows)
+            self.rows(staged, total, layer).copy_(rows, non_blocking=True)
+
+    def save_staged(
+        self, chunk: torch.Tensor, staged: torch.Tensor, total: int, first: int, num_blocks: int, group: int
+    ) -> int:
+        """Writes the chunk whose blocks are rows first.. of a step's pinned buffer into `chunk`; returns
+        the checksum of those private rows, each layer's hashed just before it is copied (cache-hot)."""
+        h = xxhash.xxh3_64()
+        for i in self.groups[group]:
+            piece = self.rows(staged, total, i)[first : first + num_blocks]
+            h.update(host_bytes(piece))
+            self.rows(chunk, num_blocks, i).copy_(piece)
+        return h.intdigest()
+
+    def stage_load(self, chunk: torch.Tensor, bounce: torch.Tensor, num_blocks: int, group: int) -> int:
+        """Copies a chunk from the arena into a private pinned buffer; returns the checksum of the copy
+        (each layer's rows hashed as they land): the bytes the device will get, which no one else can
+        change after the check."""
+        h = xxhash.xxh3_64()
+        for i in self.groups[group]:
+            piece = self.rows(bounce, num_blocks, i)
+            piece.copy_(self.rows(chunk, num_blocks, i))
+            h.update(host_bytes(piece))
+        return h.intdigest()
+
+    def load_cuda(self, bounce: torch.Tensor, op: ChunkOp, stream: torch.cuda.Stream) -> None:
+        """Queues on `stream` one DMA of a verified chunk to the device and the scatter of op's rows
+        into its blocks (one kernel a layer); the caller synchronizes once the request's are queued."""
+        lo, hi = op.first_block, op.first_block + len(op.block_ids)
+        ids = self.device_ids(op.block_ids, stream)
+        with torch.cuda.stream(stream):
+            staged = bounce.to(self.layers[0].device, non_blocking=True)
+            for i in self.groups[op.group]:
+                self.layers[i].scatter(ids, self.rows(staged, op.chunk_blocks, i)[lo:hi])

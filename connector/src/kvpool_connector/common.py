@@ -1,10 +1,10 @@
-"""The metadata the scheduler half hands the worker half each step (small, picklable)."""
+"""The plan the scheduler half hands the worker half each step (small, picklable). Plain Python: the
+worker's copy path (worker, loader, saver, chunk_io) imports no vLLM, so it runs and is tested where
+vLLM is not installed (a GPU machine with torch alone); vllm_types.py wraps these in vLLM's types."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -36,7 +36,7 @@ class SaveSpec:
 
 
 @dataclass
-class KVPoolMetadata(KVConnectorMetadata):
+class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     idle: bool = False  # no token is computed in this step: the worker may wait for its loads
@@ -44,15 +44,3 @@ class KVPoolMetadata(KVConnectorMetadata):
     # this step writes blocks that saves of steps <= fence may not have read yet: before it runs,
     # the worker makes sure none of them reads a block any more (saver.py); 0: none
     fence: int = 0
-
-
-@dataclass
-class KVPoolSaveProgress(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, each step: every save planned at a step <= saved_through has finished (the
-    lowest over the ranks), so a lookup needing one of them need not wait for it."""
-
-    saved_through: int
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KVPoolSaveProgress)
-        return KVPoolSaveProgress(min(self.saved_through, other.saved_through))

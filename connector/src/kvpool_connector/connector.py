@@ -13,7 +13,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .common import KVPoolMetadata, KVPoolSaveProgress
 from .config import load_config
 from .engine_report import engine_name, report_engine
 from .kv_events import KVPoolEvents, events_enabled, hash_block_size
@@ -22,6 +21,7 @@ from .metrics import KVPoolPromMetrics, KVPoolStats, build_stats
 from .model_identity import PRIVATE_WEIGHTS
 from .namespace import engine_namespace, out_of_window, stored_groups, tp_replicated
 from .scheduler import KVPoolScheduler
+from .vllm_types import KVPoolMetadata, KVPoolSaveProgress
 from .worker import KVPoolWorker
 
 if TYPE_CHECKING:
@@ -206,7 +206,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVPoolStats | None:
         half = self.worker or self.scheduler
-        return half.take_stats() if half else None
+        counts = half.take_stats() if half else None
+        return build_stats(counts) if counts else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVPoolStats:

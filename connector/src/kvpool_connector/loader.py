@@ -2,31 +2,38 @@
 waits, computing nothing, while the thread pins its chunks (promoting them from Redis when needed),
 copies them into its blocks, checks each chunk's checksum over what it loaded and gives the pin back.
 The request is reported finished (get_finished) together with the blocks that failed, in the same
-step, so vLLM recomputes them before anything is computed over them."""
+step, so vLLM recomputes them before anything is computed over them.
+
+On CUDA the copy threads stage several chunks at once (arena -> private pinned buffer, hashed as it
+lands), and each verified chunk's DMA and scatter are queued on the side stream in order while the
+next ones are staged; the request is reported once its copies have run (one synchronize)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from kvpool_sidecar.client import SidecarClient, Slot, checksum
+from kvpool_sidecar.client import SidecarClient, Slot
 from kvpool_sidecar.client_errors import SidecarError
 
 from .arena_mapping import ArenaChanged, ArenaMapping
 from .chunk_io import ChunkIO
-from .common import ChunkOp, KVPoolMetadata, LoadSpec
+from .common import ChunkOp, LoadSpec, StepPlan
+from .counters import Counts
 from .keys import rank_key
-from .metrics import KVPoolStats
 from .ratelimit import RateLimitedLog
 
 IDLE_WAIT_SECONDS = 0.02  # the longest an idle step waits for a load (new requests wait that long)
+STAGED_AHEAD = 8  # CUDA: chunks staged ahead of their DMA (two per copy thread; bounds the pinned memory)
 
 
 def _off_compute_cores() -> None:
@@ -56,25 +63,39 @@ class ChunkLoader:
     """One rank's loads. `io`, `mapping` and `stream` are the worker's (set when vLLM registers its KV
     caches); the copy thread is the only one that loads, so a request's chunks load in order."""
 
-    def __init__(self, client: SidecarClient, rank: int, stats: KVPoolStats, warn: RateLimitedLog) -> None:
+    def __init__(self, client: SidecarClient, rank: int, stats: Counts, warn: RateLimitedLog) -> None:
         self.client, self.rank, self.stats, self._warn = client, rank, stats, warn
         self.io = ChunkIO([])
         self.mapping: ArenaMapping | None = None
         self.stream: torch.cuda.Stream | None = None
+        self.pool: ThreadPoolExecutor | None = None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load", initializer=_off_compute_cores)
         self._loading: dict[str, Future[_Loaded]] = {}
         self._finished: set[str] = set()  # loads done, not yet reported
         self._failed_blocks: set[int] = set()  # their blocks that failed, reported with them
         self._failed_requests: set[str] = set()  # those of them with a block that failed
 
-    def attach(self, io: ChunkIO, mapping: ArenaMapping, stream: torch.cuda.Stream | None) -> None:
-        self.io, self.mapping, self.stream = io, mapping, stream
+    def attach(
+        self,
+        io: ChunkIO,
+        mapping: ArenaMapping,
+        stream: torch.cuda.Stream | None,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """pool: CUDA's copy threads, which stage chunks for the DMA."""
+        self.io, self.mapping, self.stream, self.pool = io, mapping, stream, pool
         self._thread.submit(torch.zeros(1).copy_, torch.ones(1)).result()  # started now, not in a request
 
-    def start(self, meta: KVPoolMetadata) -> None:
-        """Hands this step's loads to the copy thread; returns at once."""
+    def start(self, meta: StepPlan) -> None:
+        """Hands this step's loads to the copy thread; returns at once. On CUDA (called on vLLM's thread,
+        before the forward) the loads' writes will wait for what vLLM has queued so far: a block handed
+        to a load may still be read by the last step's kernels (vLLM may schedule ahead of the GPU)."""
+        queued = None
+        if meta.loads and self.stream is not None:
+            queued = torch.cuda.Event()
+            queued.record()  # on vLLM's current stream
         for spec in meta.loads:
-            self._loading[spec.req_id] = self._thread.submit(self._load, spec)
+            self._loading[spec.req_id] = self._thread.submit(self._load, spec, queued)
 
     def get_finished(self, wait: bool = False) -> set[str]:
         """Requests whose load has ended on this rank; their failed blocks are in take_load_errors()
@@ -120,7 +141,7 @@ class ChunkLoader:
 
     # --- on the copy thread ------------------------------------------------------------------------
 
-    def _load(self, spec: LoadSpec) -> _Loaded:
+    def _load(self, spec: LoadSpec, queued: torch.cuda.Event | None = None) -> _Loaded:
         """One request's chunks, in order, up to the first that fails."""
         t0 = time.perf_counter()
         out = _Loaded(spec.req_id)
@@ -130,14 +151,12 @@ class ChunkLoader:
         try:
             pinned = self.client.pin(keys, verify=False)
             try:
-                for op, slot in zip(ops, pinned.slots, strict=False):
-                    if not self._load_chunk(op, slot):
-                        out.corrupt += 1
-                        # the sidecar re-checks this chunk and the rest (still pinned): a rogue
-                        # write seldom hits one chunk alone, and the next lookup should not offer them
-                        self._report(keys[good:])
-                        break
-                    good += 1
+                good, corrupt = self._load_chunks(list(zip(ops, pinned.slots, strict=False)), queued)
+                if corrupt:
+                    out.corrupt += 1
+                    # the sidecar re-checks this chunk and the rest (still pinned): a rogue
+                    # write seldom hits one chunk alone, and the next lookup should not offer them
+                    self._report(keys[good:])
             finally:
                 with contextlib.suppress(SidecarError):  # a lease expires by itself
                     self.client.release(pinned.lease)
@@ -154,51 +173,100 @@ class ChunkLoader:
         except Exception:  # a bug: still only a recompute, never a failed request
             out.errors += 1
             self._warn.exception("load-bug", "kvpool: load of %s failed, vLLM recomputes it", spec.req_id)
+        if self.stream is not None:
+            try:
+                self.stream.synchronize()  # the verified chunks' copies have run: reportable
+            except Exception:  # a CUDA error: nothing this request queued counts as loaded
+                out.errors += 1
+                self._warn.exception("load-bug", "kvpool: load of %s failed, vLLM recomputes it", spec.req_id)
+                good = 0
         out.chunks = good
         out.bytes = sum(len(op.block_ids) * self.io.block_bytes(op.group) for op in ops[:good])
         out.failed_blocks = [b for op in ops[good:] for b in op.block_ids]
         out.seconds = time.perf_counter() - t0
         return out
 
-    def _load_chunk(self, op: ChunkOp, slot: Slot) -> bool:
-        """Loads one pinned chunk; False (the sidecar told to drop it) when its bytes are wrong."""
+    def _load_chunks(
+        self, chunks: list[tuple[ChunkOp, Slot]], queued: torch.cuda.Event | None
+    ) -> tuple[int, bool]:
+        """Loads pinned chunks in order up to the first whose bytes are wrong: (chunks loaded, whether
+        one was wrong, the sidecar told to drop it)."""
+        if self.stream is None or self.pool is None:
+            for good, (op, slot) in enumerate(chunks):
+                fitted = self._geometry(op, slot)
+                if fitted is None or not self._loaded_cpu(fitted, slot):
+                    return good, True
+            return len(chunks), False
+        if queued is not None:
+            self.stream.wait_event(queued)
+        return self._load_chunks_cuda(chunks, self.stream, self.pool)
+
+    def _load_chunks_cuda(
+        self, chunks: list[tuple[ChunkOp, Slot]], stream: torch.cuda.Stream, pool: ThreadPoolExecutor
+    ) -> tuple[int, bool]:
+        """CUDA: the copy threads stage chunks ahead (a bounded window); each verified one's DMA is
+        queued in order. Returns only once no thread reads the arena (the caller gives the pin back)."""
+        ahead = iter(chunks)
+        window: deque[Future[tuple[ChunkOp, torch.Tensor | None]]] = deque(
+            pool.submit(self._stage, op, slot) for op, slot in itertools.islice(ahead, STAGED_AHEAD)
+        )
+        good = 0
+        try:
+            while window:
+                op, bounce = window.popleft().result()
+                if bounce is None:
+                    return good, True
+                self.io.load_cuda(bounce, op, stream)
+                good += 1
+                for op, slot in itertools.islice(ahead, 1):
+                    window.append(pool.submit(self._stage, op, slot))
+            return good, False
+        finally:
+            for f in window:
+                f.cancel()
+            concurrent.futures.wait(window)
+
+    def _stage(self, op: ChunkOp, slot: Slot) -> tuple[ChunkOp, torch.Tensor | None]:
+        """CUDA, on a copy thread: the chunk in a private pinned buffer, verified (None: wrong bytes)."""
+        fitted = self._geometry(op, slot)
+        if fitted is None:
+            return op, None
         assert self.mapping is not None, "loads start only after the KV caches are registered"
-        expected = self.io.chunk_bytes(op.chunk_blocks, op.group)
-        if slot.length != expected:
-            # found by a block prefix's key: the first blocks of a longer chunk
-            block_bytes = self.io.block_bytes(op.group)
-            blocks, rest = divmod(slot.length, block_bytes) if block_bytes else (0, 1)
-            if rest or blocks < op.first_block + len(op.block_ids):
-                # no worker of this engine can load it, whatever its checksum says: the sidecar
-                # would offer it again to every request, so it is deleted
-                self._warn.warning(
-                    "geometry",
-                    "kvpool: chunk %s has %d bytes, expected %d: deleted",
-                    slot.key,
-                    slot.length,
-                    expected,
-                )
-                try:
-                    self.client.delete(slot.key)
-                except SidecarError as e:
-                    self._warn.warning(
-                        "verify", "kvpool: could not have the sidecar drop %s: %s", slot.key, e
-                    )
-                return False
-            op = dataclasses.replace(op, chunk_blocks=blocks)
         chunk = self.mapping.slot(slot.epoch, slot.offset, slot.length)
-        if self.stream is None:
-            ok = self.io.load_cpu(chunk, op) == slot.checksum
-        else:
-            bounce = self.io.bounce(op.chunk_blocks, op.group)
-            bounce.copy_(chunk)
-            ok = checksum(bounce.numpy()) == slot.checksum
-            if ok:
-                self.io.load_cuda(bounce, op, self.stream)
-                self.stream.synchronize()
-        if not ok:
+        bounce = self.io.bounce(fitted.chunk_blocks, fitted.group)
+        if self.io.stage_load(chunk, bounce, fitted.chunk_blocks, fitted.group) != slot.checksum:
             self._warn.warning("corrupt", "kvpool: chunk %s failed its checksum: dropped", slot.key)
-        return ok
+            return fitted, None
+        return fitted, bounce
+
+    def _loaded_cpu(self, op: ChunkOp, slot: Slot) -> bool:
+        """CPU: loads one pinned chunk straight into the blocks; False when its bytes are wrong."""
+        assert self.mapping is not None, "loads start only after the KV caches are registered"
+        chunk = self.mapping.slot(slot.epoch, slot.offset, slot.length)
+        if self.io.load_cpu(chunk, op) != slot.checksum:
+            self._warn.warning("corrupt", "kvpool: chunk %s failed its checksum: dropped", slot.key)
+            return False
+        return True
+
+    def _geometry(self, op: ChunkOp, slot: Slot) -> ChunkOp | None:
+        """The op fitted to the slot's chunk: a block prefix's key finds the first blocks of a longer
+        chunk. None (and the chunk deleted) when no worker of this engine can load it."""
+        expected = self.io.chunk_bytes(op.chunk_blocks, op.group)
+        if slot.length == expected:
+            return op
+        block_bytes = self.io.block_bytes(op.group)
+        blocks, rest = divmod(slot.length, block_bytes) if block_bytes else (0, 1)
+        if not rest and blocks >= op.first_block + len(op.block_ids):
+            return dataclasses.replace(op, chunk_blocks=blocks)
+        # whatever its checksum says, the sidecar would offer it again to every request: deleted
+        self._warn.warning(
+            "geometry", "kvpool: chunk %s has %d bytes, expected %d: deleted", slot.key, slot.length, expected
+        )
+        try:
+            self.client.delete(slot.key)
+        except SidecarError as e:
+            self._warn.warning("verify", "kvpool: could not have the sidecar drop %s: %s", slot.key, e)
+        return None
 
     def _report(self, keys: list[str]) -> None:
         """Has the sidecar check its arena's header and these chunks' bytes (its checksum decides) and

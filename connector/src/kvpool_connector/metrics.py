@@ -72,14 +72,6 @@ class KVPoolStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
-    def take(self) -> KVPoolStats | None:
-        """The counters since the last take, or None when nothing happened (then nothing is sent)."""
-        if self.is_empty():
-            return None
-        out = KVPoolStats(data=dict(self.data))
-        self.reset()
-        return out
-
 
 def build_stats(data: dict[str, Any] | None) -> KVPoolStats:
     return KVPoolStats(data=dict(data or {}))

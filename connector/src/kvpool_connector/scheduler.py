@@ -10,15 +10,16 @@ from typing import TYPE_CHECKING, Any
 from kvpool_sidecar.client_errors import SidecarError, SidecarTimeout
 
 from .breaker import BREAKER_SECONDS, Breaker
-from .common import ChunkOp, KVPoolMetadata, KVPoolSaveProgress, LoadSpec, SaveSpec
+from .common import ChunkOp, LoadSpec, SaveSpec
 from .config import KVPoolConfig, sidecar_client
+from .counters import Counts
 from .keys import Extras, Namespace, chain, group_link, new_generation, rank_key
 from .kv_events import KVPoolEvents
 from .logs import connector_logger
-from .metrics import KVPoolStats
 from .ratelimit import RateLimitedLog
 from .request_inputs import Unkeyable, request_extras
 from .spans import Span, align_down, decode_spans, prompt_spans
+from .vllm_types import KVPoolMetadata, KVPoolSaveProgress
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -99,7 +100,7 @@ class KVPoolScheduler:
         self._warn = RateLimitedLog(log)
         self.client = sidecar_client(cfg)
         self.reqs: dict[str, _ReqState] = {}
-        self.stats = KVPoolStats()
+        self.stats = Counts()
         self.events = events  # None: the engine publishes no KV cache events (nothing is tracked)
         # Saves run on the workers' save threads (saver.py). The step of the newest save reading each
         # block, for the fence when vLLM hands the block out again; the chunks of saves the workers
@@ -530,7 +531,7 @@ class KVPoolScheduler:
         log.info("kvpool: cache reset: chunks saved before are never loaded by this engine again")
         return True
 
-    def take_stats(self) -> KVPoolStats | None:
+    def take_stats(self) -> dict[str, float] | None:
         return self.stats.take()
 
     def take_events(self) -> list[KVCacheEvent]:
