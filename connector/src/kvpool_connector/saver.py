@@ -99,6 +99,9 @@ class SaveQueue:
                         job.state = COPIED
                     self._busy = None
                     self._cv.notify_all()
+            # Not held while waiting for the next job: on CUDA its pinned buffer could not be reused,
+            # and every step's new one was a cudaHostAlloc, which waits for the whole device (#26).
+            del job
 
     # --- called by run(job), on the save thread ----------------------------------------------------
 
