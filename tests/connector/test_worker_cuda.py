@@ -138,43 +138,44 @@ def test_a_layer_is_copied_out_after_the_forward_wrote_it(sidecar_factory) -> No
 
 def test_blocks_reused_after_the_step_do_not_change_its_saves_and_need_no_fence(sidecar_factory) -> None:
     """After finish_step the saves read only their pinned copies: the next step may rewrite the blocks
-    at once (no fence waits, even on a hung sidecar), and the chunks stored are the old KV."""
+    at once (no fence waits, even on a hung sidecar), and the chunks stored are the old KV. Three
+    steps: a step's first pinned buffer is a cudaHostAlloc, which waits for the whole device and so
+    hides the race; the later steps reuse it (without the wait on vLLM's stream they store the new KV)."""
     proc = sidecar_factory("64Mi")
     cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
     src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = _layers(5), _layers(None)
     src.register_kv_caches(src_layers)
     dst.register_kv_caches(dst_layers)
-    # a step of the same shape first: a new pinned buffer is a cudaHostAlloc, which waits for the
-    # whole device and would hide the race this test looks for
-    warm = chunk_ops([[4, 5], [6, 7]])
-    for w in warm:
-        w.link = bytes(reversed(w.link))
-    save(src, StepPlan(saves=[SaveSpec("warm", 0, warm)], step=1))
-    src.take_stats()
-    before = [t[0:4].clone() for _, t in src_layers]
-    saves = chunk_ops([[0, 1], [2, 3]])
-    meta = StepPlan(saves=[SaveSpec("a", 0, saves)], step=2)
-    with torch.cuda.stream(src._stream):
-        torch.cuda._sleep(200_000_000)  # the side stream is busy: the copies run after finish_step
-    for name, _ in src_layers:
-        src.save_layer(name, meta)
-    proc.popen.send_signal(signal.SIGSTOP)  # the save thread cannot reserve: the saves stay queued
-    try:
-        src.finish_step(meta)
-        assert src.saver.fence(2, wait=5.0) == []  # nothing to wait for, nothing dropped
-        for _, t in src_layers:  # the next step's forward rewrites the blocks
-            t[0:4].fill_(-1.0)
+    for step in (1, 2, 3):
+        before = [t[0:4].clone() for _, t in src_layers]
+        saves = chunk_ops([[0, 1], [2, 3]])
+        for s in saves:
+            s.link = bytes([step]) + s.link[1:]  # each step's chunks under their own keys
+        meta = StepPlan(saves=[SaveSpec(f"a{step}", 0, saves)], step=step)
         torch.cuda.synchronize()
-    finally:
-        proc.popen.send_signal(signal.SIGCONT)
-    assert src.saver.drain(30)
-    assert src.take_stats()["saved_chunks"] == 2
-    loads = [ChunkOp(saves[0].link, 2, [8, 9]), ChunkOp(saves[1].link, 2, [10, 11])]
-    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", loads)])) == set()
-    torch.cuda.synchronize()
-    for b, (_, d) in zip(before, dst_layers, strict=True):
-        assert torch.equal(d[8:12], b)
+        with torch.cuda.stream(src._stream):
+            torch.cuda._sleep(200_000_000)  # the side stream is busy: the copies run after finish_step
+        for name, _ in src_layers:
+            src.save_layer(name, meta)
+        proc.popen.send_signal(signal.SIGSTOP)  # the save thread cannot reserve: the saves stay queued
+        try:
+            src.finish_step(meta)
+            assert src.saver.fence(step, wait=5.0) == []  # nothing to wait for, nothing dropped
+            for _, t in src_layers:  # the next step's forward rewrites the blocks
+                t[0:4].fill_(-1.0)
+            torch.cuda.synchronize()
+        finally:
+            proc.popen.send_signal(signal.SIGCONT)
+        assert src.saver.drain(30)
+        assert src.take_stats()["saved_chunks"] == 2
+        loads = [ChunkOp(saves[0].link, 2, [8, 9]), ChunkOp(saves[1].link, 2, [10, 11])]
+        assert run_loads(dst, StepPlan(loads=[LoadSpec(f"b{step}", loads)])) == set()
+        torch.cuda.synchronize()
+        for b, (_, d) in zip(before, dst_layers, strict=True):
+            assert torch.equal(d[8:12], b), f"step {step} stored the next step's KV"
+        for (_, t), b in zip(src_layers, before, strict=True):
+            t[0:4].copy_(b)
     src.shutdown()
     dst.shutdown()
 
@@ -207,7 +208,9 @@ def test_two_kv_cache_groups_save_and_load_apart(sidecar_factory) -> None:
 
 def test_a_load_writes_its_blocks_after_what_vllm_queued_before_it(sidecar_factory) -> None:
     """vLLM may hand a load blocks the last step's kernels still use (it schedules ahead of the GPU):
-    the load's writes wait for what vLLM's stream had queued when the load started."""
+    the load's writes wait for what vLLM's stream had queued when the load started. Three loads: the
+    first one's new pinned buffer is a cudaHostAlloc, which waits for the whole device and so hides
+    the race; the later ones reuse it (without the wait they land under the last step's write)."""
     proc = sidecar_factory("64Mi")
     cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
     src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
@@ -216,16 +219,15 @@ def test_a_load_writes_its_blocks_after_what_vllm_queued_before_it(sidecar_facto
     dst.register_kv_caches(dst_layers)
     saves = chunk_ops([[2, 3]])
     save(src, StepPlan(saves=[SaveSpec("a", 0, saves)]))
-    # a load of the same shape first: a new pinned buffer is a cudaHostAlloc, which waits for the
-    # whole device and would hide the race this test looks for
-    assert run_loads(dst, StepPlan(loads=[LoadSpec("warm", [ChunkOp(saves[0].link, 2, [12, 13])])])) == set()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # the last step, still running on vLLM's stream...
-    for _, d in dst_layers:
-        d[8:10].fill_(-1.0)  # ...writes the blocks the load is about to get
-    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", [ChunkOp(saves[0].link, 2, [8, 9])])])) == set()
-    torch.cuda.synchronize()
-    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
-        assert torch.equal(d[8:10], s[2:4]), "the load landed before the last step's write"
+    for attempt in range(3):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the last step, still running on vLLM's stream...
+        for _, d in dst_layers:
+            d[8:10].fill_(-1.0)  # ...writes the blocks the load is about to get
+        load = [ChunkOp(saves[0].link, 2, [8, 9])]
+        assert run_loads(dst, StepPlan(loads=[LoadSpec(f"b{attempt}", load)])) == set()
+        torch.cuda.synchronize()
+        for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+            assert torch.equal(d[8:10], s[2:4]), f"load {attempt} landed before the last step's write"
     src.shutdown()
     dst.shutdown()
