@@ -56,7 +56,7 @@ def _links(outputs: list) -> list[bytes]:
 def _counters(ranks: Ranks) -> dict[str, float]:
     out: dict[str, float] = {}
     for w in ranks.workers:
-        for name, value in w.stats.data.items():
+        for name, value in (w.take_stats() or {}).items():
             out[name] = out.get(name, 0) + value
     return out
 
