@@ -13,6 +13,7 @@ import signal
 
 import pytest
 import torch
+from kvtest import Proc
 from test_paged import LAYOUTS, _cache
 from workerkit import Layers, chunk_ops, make_layers, run_loads, save
 
@@ -35,16 +36,24 @@ def _layers(seed: int | None) -> Layers:
     return make_layers(seed, torch.float16, "cuda")
 
 
+def _workers(
+    proc: Proc, src_layers: Layers, dst_layers: Layers, groups: list[list[int]] | None = None
+) -> tuple[KVPoolWorker, KVPoolWorker]:
+    """Two workers on one sidecar: `src` over src_layers, `dst` over dst_layers."""
+    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
+    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
+    src.register_kv_caches(src_layers, groups=groups)
+    dst.register_kv_caches(dst_layers, groups=groups)
+    return src, dst
+
+
 def test_cuda_save_then_load_is_exact_on_an_arena_cuda_cannot_register(sidecar_factory) -> None:
     """The arena here is a file on a disk filesystem (the test's tmp_path), which cudaHostRegister
     refuses; no copy needs it registered. (Registering it used to leave CUDA's error set: every load
     then failed with "invalid argument" at its first copy.)"""
     proc = sidecar_factory("64Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
-    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = _layers(1), _layers(None)
-    src.register_kv_caches(src_layers)
-    dst.register_kv_caches(dst_layers)
+    src, dst = _workers(proc, src_layers, dst_layers)
     saves = chunk_ops([[3, 7], [1, 12], [5, 6]])
     meta = StepPlan(saves=[SaveSpec("a", 0, saves)])
     for name, _ in src_layers:  # as vLLM calls it inside the forward, layer by layer
@@ -63,11 +72,8 @@ def test_cuda_save_then_load_is_exact_on_an_arena_cuda_cannot_register(sidecar_f
 
 def test_cuda_corrupt_chunk_never_reaches_the_device(sidecar_factory) -> None:
     proc = sidecar_factory("64Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
-    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
-    src.register_kv_caches(_layers(3))
     dst_layers = _layers(None)
-    dst.register_kv_caches(dst_layers)
+    src, dst = _workers(proc, _layers(3), dst_layers)
     saves = chunk_ops([[0, 1], [2, 3]])
     save(src, StepPlan(saves=[SaveSpec("a", 0, saves)]))
     client = SidecarClient(proc.info["url"], timeout=5)
@@ -88,13 +94,10 @@ def test_every_layout_round_trips_bit_exact_through_scattered_blocks(sidecar_fac
     """vLLM's layouts on the GPU (heads outside blocks takes the logical copy), bf16 with random bits
     (NaN payloads included), chunks over blocks that are not consecutive."""
     proc = sidecar_factory("64Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
     src_layers = [(f"layer{i}", _cache(layout, torch.bfloat16, 16).to("cuda")) for i in range(2)]
     dst_layers = [(name, torch.zeros_like(t)) for name, t in src_layers]  # zeros_like keeps the strides
     assert all(d.stride() == s.stride() for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True))
-    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
-    src.register_kv_caches(src_layers)
-    dst.register_kv_caches(dst_layers)
+    src, dst = _workers(proc, src_layers, dst_layers)
     saves = chunk_ops([[7, 2], [9, 10], [0, 5]])
     meta = StepPlan(saves=[SaveSpec("a", 0, saves)])
     for name, _ in src_layers:
@@ -117,11 +120,8 @@ def test_a_layer_is_copied_out_after_the_forward_wrote_it(sidecar_factory) -> No
     """The forward writes a layer's KV on its stream, possibly long after save_layer is called from
     the host: the side stream's copy must wait for it, not read what was there before."""
     proc = sidecar_factory("64Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
-    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = _layers(1), _layers(None)
-    src.register_kv_caches(src_layers)
-    dst.register_kv_caches(dst_layers)
+    src, dst = _workers(proc, src_layers, dst_layers)
     saves = chunk_ops([[3, 4]])
     meta = StepPlan(saves=[SaveSpec("a", 0, saves)])
     torch.cuda.synchronize()
@@ -142,11 +142,8 @@ def test_blocks_reused_after_the_step_do_not_change_its_saves_and_need_no_fence(
     steps: a step's first pinned buffer is a cudaHostAlloc, which waits for the whole device and so
     hides the race; the later steps reuse it (without the wait on vLLM's stream they store the new KV)."""
     proc = sidecar_factory("64Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
-    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = _layers(5), _layers(None)
-    src.register_kv_caches(src_layers)
-    dst.register_kv_caches(dst_layers)
+    src, dst = _workers(proc, src_layers, dst_layers)
     for step in (1, 2, 3):
         before = [t[0:4].clone() for _, t in src_layers]
         saves = chunk_ops([[0, 1], [2, 3]])
@@ -183,12 +180,8 @@ def test_blocks_reused_after_the_step_do_not_change_its_saves_and_need_no_fence(
 def test_two_kv_cache_groups_save_and_load_apart(sidecar_factory) -> None:
     """A hybrid model's groups (here layer 0 and layers 1-2): each chunk holds its group's layers."""
     proc = sidecar_factory("64Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
-    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = _layers(6), _layers(None)
-    groups = [[0], [1, 2]]
-    src.register_kv_caches(src_layers, groups=groups)
-    dst.register_kv_caches(dst_layers, groups=groups)
+    src, dst = _workers(proc, src_layers, dst_layers, groups=[[0], [1, 2]])
     a, b = chunk_ops([[1, 2], [5, 6]])
     a.group, b.group = 0, 1
     meta = StepPlan(saves=[SaveSpec("a", 0, [a, b])])
@@ -212,11 +205,8 @@ def test_a_load_writes_its_blocks_after_what_vllm_queued_before_it(sidecar_facto
     first one's new pinned buffer is a cudaHostAlloc, which waits for the whole device and so hides
     the race; the later ones reuse it (without the wait they land under the last step's write)."""
     proc = sidecar_factory("64Mi")
-    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
-    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = _layers(7), _layers(None)
-    src.register_kv_caches(src_layers)
-    dst.register_kv_caches(dst_layers)
+    src, dst = _workers(proc, src_layers, dst_layers)
     saves = chunk_ops([[2, 3]])
     save(src, StepPlan(saves=[SaveSpec("a", 0, saves)]))
     for attempt in range(3):
