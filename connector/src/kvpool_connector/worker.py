@@ -201,7 +201,6 @@ class KVPoolWorker:
                 self.stats.add("save_skipped_chunks", len(self._saves))  # the save thread is this far behind
                 self._saves = []
                 return
-            self._staged_bytes += need
         for group in dict.fromkeys(s.op.group for s in self._saves):
             saves = [s for s in self._saves if s.op.group == group]
             blocks = [b for s in saves for b in s.op.block_ids]
@@ -211,13 +210,15 @@ class KVPoolWorker:
             for s in saves:
                 s.staged, s.first = staged, first
                 first += len(s.op.block_ids)
+            with self._staged_lock:  # counted as staged, given back by _unstage
+                self._staged_bytes += sum(self._bytes(s) for s in saves)
             self._staged[group] = staged
 
     def _bytes(self, s: _Save) -> int:
         return self.io.chunk_bytes(s.op.chunk_blocks, s.op.group)
 
     def _unstage(self, saves: list[_Save]) -> None:
-        """Gives back the pinned bytes of saves that finished or were dropped."""
+        """Gives back the pinned bytes of saves that finished or were dropped (those given a buffer)."""
         with self._staged_lock:
             self._staged_bytes -= sum(self._bytes(s) for s in saves if s.staged)
 
