@@ -275,7 +275,7 @@ def _rate(nbytes: int, run: Callable[[], object], repeat: int = 7) -> Spread:
 def parts() -> None:
     """The rates that bound the path, on this machine."""
     n = 32 * 2**20
-    bufs = [torch.randint(0, 256, (n,), dtype=torch.uint8) for _ in range(8)]
+    bufs = [torch.randint(0, 256, (n,), dtype=torch.uint8) for _ in range(16)]
     if DEVICE == "cuda":
         bufs = [b.pin_memory() for b in bufs]
     rows: list[tuple[str, Spread]] = []
@@ -298,7 +298,7 @@ def parts() -> None:
 
     def stage_in(k: int) -> None:  # what a copy thread does to a chunk: copy it, hash the copy
         def one(i: int) -> None:
-            bufs[i].copy_(bufs[i + 4])
+            bufs[i].copy_(bufs[i + 8])
             checksum(bufs[i].numpy())
 
         ts = [threading.Thread(target=one, args=(i,)) for i in range(k)]
@@ -307,7 +307,7 @@ def parts() -> None:
         for t in ts:
             t.join()
 
-    for k in (1, 2, 4):
+    for k in (1, 2, 4, 8):
         rows.append(
             (f"copy + xxh3_64 of {k} x 32 MiB, {k} thread(s) together", _rate(k * n, lambda k=k: stage_in(k)))
         )
