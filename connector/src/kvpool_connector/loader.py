@@ -147,16 +147,14 @@ class ChunkLoader:
         out = _Loaded(spec.req_id)
         ops = spec.chunks
         keys = [rank_key(op.link, self.rank) for op in ops]
-        good = 0
         try:
             pinned = self.client.pin(keys, verify=False)
             try:
-                good, corrupt = self._load_chunks(list(zip(ops, pinned.slots, strict=False)), queued)
-                if corrupt:
+                if self._load_chunks(list(zip(ops, pinned.slots, strict=False)), queued, out):
                     out.corrupt += 1
                     # the sidecar re-checks this chunk and the rest (still pinned): a rogue
                     # write seldom hits one chunk alone, and the next lookup should not offer them
-                    self._report(keys[good:])
+                    self._report(keys[out.chunks :])
             finally:
                 with contextlib.suppress(SidecarError):  # a lease expires by itself
                     self.client.release(pinned.lease)
@@ -166,7 +164,7 @@ class ChunkLoader:
             # writes a new epoch, so it stops offering hits no worker can load.
             out.errors += 1
             self._warn.warning("load", "kvpool: load of %s failed, vLLM recomputes it: %s", spec.req_id, e)
-            self._report(keys[good : good + 1])
+            self._report(keys[out.chunks : out.chunks + 1])
         except SidecarError as e:  # unreachable, refused, or restarted: a recompute
             out.errors += 1
             self._warn.warning("load", "kvpool: load of %s failed, vLLM recomputes it: %s", spec.req_id, e)
@@ -179,48 +177,52 @@ class ChunkLoader:
             except Exception:  # a CUDA error: nothing this request queued counts as loaded
                 out.errors += 1
                 self._warn.exception("load-bug", "kvpool: load of %s failed, vLLM recomputes it", spec.req_id)
-                good = 0
-        out.chunks = good
+                out.chunks = 0
+        good = out.chunks
         out.bytes = sum(len(op.block_ids) * self.io.block_bytes(op.group) for op in ops[:good])
         out.failed_blocks = [b for op in ops[good:] for b in op.block_ids]
         out.seconds = time.perf_counter() - t0
         return out
 
     def _load_chunks(
-        self, chunks: list[tuple[ChunkOp, Slot]], queued: torch.cuda.Event | None
-    ) -> tuple[int, bool]:
-        """Loads pinned chunks in order up to the first whose bytes are wrong: (chunks loaded, whether
-        one was wrong, the sidecar told to drop it)."""
+        self, chunks: list[tuple[ChunkOp, Slot]], queued: torch.cuda.Event | None, out: _Loaded
+    ) -> bool:
+        """Loads pinned chunks in order up to the first whose bytes are wrong, counting each loaded in
+        out.chunks (also when a later one raises); True when one was wrong (the sidecar told to drop it)."""
         if self.stream is None or self.pool is None:
-            for good, (op, slot) in enumerate(chunks):
+            for op, slot in chunks:
                 fitted = self._geometry(op, slot)
                 if fitted is None or not self._loaded_cpu(fitted, slot):
-                    return good, True
-            return len(chunks), False
+                    return True
+                out.chunks += 1
+            return False
         if queued is not None:
             self.stream.wait_event(queued)
-        return self._load_chunks_cuda(chunks, self.stream, self.pool)
+        return self._load_chunks_cuda(chunks, self.stream, self.pool, out)
 
     def _load_chunks_cuda(
-        self, chunks: list[tuple[ChunkOp, Slot]], stream: torch.cuda.Stream, pool: ThreadPoolExecutor
-    ) -> tuple[int, bool]:
+        self,
+        chunks: list[tuple[ChunkOp, Slot]],
+        stream: torch.cuda.Stream,
+        pool: ThreadPoolExecutor,
+        out: _Loaded,
+    ) -> bool:
         """CUDA: the copy threads stage chunks ahead (a bounded window); each verified one's DMA is
         queued in order. Returns only once no thread reads the arena (the caller gives the pin back)."""
         ahead = iter(chunks)
         window: deque[Future[tuple[ChunkOp, torch.Tensor | None]]] = deque(
             pool.submit(self._stage, op, slot) for op, slot in itertools.islice(ahead, STAGED_AHEAD)
         )
-        good = 0
         try:
             while window:
                 op, bounce = window.popleft().result()
                 if bounce is None:
-                    return good, True
+                    return True
                 self.io.load_cuda(bounce, op, stream)
-                good += 1
+                out.chunks += 1
                 for op, slot in itertools.islice(ahead, 1):
                     window.append(pool.submit(self._stage, op, slot))
-            return good, False
+            return False
         finally:
             for f in window:
                 f.cancel()
