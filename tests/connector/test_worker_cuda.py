@@ -4,7 +4,8 @@ hashed in a private pinned buffer before the DMA to the device; every layout vLL
 
 What a GPU run must show: these pass, bit-exact, with the layers on the GPU. make test deselects
 them (marker gpu; no GPU in CI). They import no vLLM, so they run on a GPU machine with torch alone:
-`pytest -m gpu tests/connector/test_worker_cuda.py`.
+`pytest -m gpu tests/connector/test_worker_cuda.py`, or `scripts/gpu-check.sh` (which also removes each
+stream ordering in turn from a copy of the code to show its test failing, and runs `bench cuda`).
 """
 
 from __future__ import annotations
