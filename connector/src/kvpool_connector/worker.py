@@ -48,8 +48,9 @@ from .saver import SaveJob, SaveQueue
 
 log = connector_logger(__name__)
 
-# CUDA: threads that hash and copy chunks between the arena and the pinned buffers, several chunks at
-# once (one thread hashes about 16 GB/s and copies about 10 on an H100 host; the DMA runs at 54).
+# CUDA: threads that copy chunks between the arena and the pinned buffers and hash them, several at
+# once. The CPU bounds the path: on the H100 host copy-then-hash ran 2.75 GB/s on one thread, 11.8 on
+# four, 18.5 on eight, against 54 GB/s of DMA (BENCHMARKS.md, #26); four leave vLLM its cores.
 COPY_THREADS = 4
 # CUDA: pinned bytes the steps' saves may hold while the save thread is behind; past it a step's saves
 # are skipped (a slow sidecar never makes the host pin more).
