@@ -43,7 +43,15 @@ def _run_tp2(d: Path, name: str, model: Path, connector: dict[str, Any]) -> list
     engine = Engine(d, name, {}, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     runs = [{"label": label, "prompts": [PROMPT], "max_tokens": 4} for label in ("cold", "warm", "again")]
     engine.spec = engine_spec(
-        model, connector, runs, block_size=BLOCK, max_num_batched_tokens=None, tensor_parallel_size=TP
+        model,
+        connector,
+        runs,
+        block_size=BLOCK,
+        max_num_batched_tokens=None,
+        tensor_parallel_size=TP,
+        # vLLM's reference MLA backend: on a CPU with AMX vLLM picks AMX_MLA, which takes bf16 weights
+        # only and refuses this float32 model at load (seen on a Sapphire Rapids CI-like machine)
+        attention_backend="CPU_MLA",
     )
     engine.start()
     try:

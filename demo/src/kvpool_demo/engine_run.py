@@ -67,6 +67,8 @@ def build_llm(spec: dict[str, Any]) -> Any:
         kwargs["kv_events_config"] = KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=spec["kv_events_endpoint"], topic="kv"
         )
+    if spec.get("attention_backend"):
+        kwargs["attention_backend"] = spec["attention_backend"]
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
         kwargs["enable_chunked_prefill"] = True
