@@ -83,25 +83,27 @@ class ArmResult:
 Servers = Callable[[Path], contextlib.AbstractContextManager[list[str]]]
 
 
-def _server(
-    model: Path, log: Path, blocks: int, connector: dict[str, Any] | None = None, **kw: Any
-) -> contextlib.AbstractContextManager[str]:
-    return vllm_server(
-        model,
-        log,
-        kv_cache_bytes=blocks * BLOCK * BENCH.kv_bytes_per_token,
-        connector=connector,
-        block_size=BLOCK,
-        max_model_len=(ENGINE_BLOCKS - 1) * BLOCK,
-        **kw,
-    )
+def arms(
+    model: Path, engine_blocks: int = ENGINE_BLOCKS, floor_blocks: int = FLOOR_BLOCKS
+) -> dict[str, tuple[Servers, Callable[[Turn], int]]]:
+    """Each arm: how to start its servers (yielding their URLs) and which server a turn goes to.
+    Every arm's engine holds `engine_blocks` of KV but the floor's, which holds `floor_blocks`."""
 
-
-def arms(model: Path) -> dict[str, tuple[Servers, Callable[[Turn], int]]]:
-    """Each arm: how to start its servers (yielding their URLs) and which server a turn goes to."""
+    def _server(
+        model: Path, log: Path, blocks: int, connector: dict[str, Any] | None = None, **kw: Any
+    ) -> contextlib.AbstractContextManager[str]:
+        return vllm_server(
+            model,
+            log,
+            kv_cache_bytes=blocks * BLOCK * BENCH.kv_bytes_per_token,
+            connector=connector,
+            block_size=BLOCK,
+            max_model_len=(engine_blocks - 1) * BLOCK,  # the same in every arm, the floor's included
+            **kw,
+        )
 
     @contextlib.contextmanager
-    def alone(work: Path, blocks: int = ENGINE_BLOCKS) -> Iterator[list[str]]:
+    def alone(work: Path, blocks: int = engine_blocks) -> Iterator[list[str]]:
         with _server(model, work / "vllm.log", blocks) as url:
             yield [url]
 
@@ -110,7 +112,7 @@ def arms(model: Path) -> dict[str, tuple[Servers, Callable[[Turn], int]]]:
         with contextlib.ExitStack() as stack:
             side = stack.enter_context(sidecar(work / "sidecar", "2Gi"))
             spec = kvpool_connector_spec(side, CHUNK)
-            yield [stack.enter_context(_server(model, work / "vllm.log", ENGINE_BLOCKS, spec))]
+            yield [stack.enter_context(_server(model, work / "vllm.log", engine_blocks, spec))]
 
     @contextlib.contextmanager
     def kvpool_redis(work: Path) -> Iterator[list[str]]:
@@ -121,7 +123,7 @@ def arms(model: Path) -> dict[str, tuple[Servers, Callable[[Turn], int]]]:
                 side = stack.enter_context(sidecar(work / f"sidecar-{pod}", "2Gi", redis_url=redis))
                 spec = kvpool_connector_spec(side, CHUNK)
                 urls.append(
-                    stack.enter_context(_server(model, work / f"vllm-{pod}.log", ENGINE_BLOCKS, spec))
+                    stack.enter_context(_server(model, work / f"vllm-{pod}.log", engine_blocks, spec))
                 )
             yield urls
 
@@ -129,7 +131,7 @@ def arms(model: Path) -> dict[str, tuple[Servers, Callable[[Turn], int]]]:
     def example(work: Path) -> Iterator[list[str]]:
         (work / "files").mkdir(parents=True)
         spec = {"name": "ExampleConnector", "extra": {"shared_storage_path": str(work / "files")}}
-        with _server(model, work / "vllm.log", ENGINE_BLOCKS, spec) as url:
+        with _server(model, work / "vllm.log", engine_blocks, spec) as url:
             yield [url]
 
     @contextlib.contextmanager
@@ -145,12 +147,12 @@ def arms(model: Path) -> dict[str, tuple[Servers, Callable[[Turn], int]]]:
         python = str(LMCACHE_VENV / "bin" / "python")
         with contextlib.ExitStack() as stack:
             stack.enter_context(process(argv, work / "lmcache.log", lambda: _listening(port), "LMCache", 300))
-            yield [stack.enter_context(_server(model, work / "vllm.log", ENGINE_BLOCKS, spec, python=python))]
+            yield [stack.enter_context(_server(model, work / "vllm.log", engine_blocks, spec, python=python))]
 
     one = _to(0)
     out: dict[str, tuple[Servers, Callable[[Turn], int]]] = {
         "vLLM alone": (alone, one),
-        "vLLM, KV for everything (floor)": (lambda w: alone(w, FLOOR_BLOCKS), one),
+        "vLLM, KV for everything (floor)": (lambda w: alone(w, floor_blocks), one),
         "kvpool, CPU tier": (kvpool_cpu, one),
         "kvpool, 2 engines via Redis": (kvpool_redis, lambda t: (t.user + t.round) % 2),
         "ExampleConnector": (example, one),
