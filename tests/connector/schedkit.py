@@ -55,6 +55,7 @@ def make_scheduler(
     """The scheduler as the engine core makes it. `encoder_budget` gives it the encoder compute and
     cache budget a vision model's config would (the tiny model has none), so requests with
     multimodal items get scheduled."""
+    extra.setdefault("sync_loads", False)  # the tests walk the load through its own steps, as on a GPU
     model_config = ModelConfig(model=str(model), dtype="float16", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=16,
@@ -152,14 +153,14 @@ def model_output(
     scheduler: Scheduler, so, invalid: set[int] | None = None, saved_through: int | None = None
 ) -> ModelRunnerOutput:
     """What the workers report for step `so`: a token per scheduled request; every load the step
-    started finished in it (loads are asynchronous), with `invalid` the blocks that failed; every
+    started finished in it, with `invalid` the blocks that failed; every
     save it planned finished too (the tests store them themselves: save_like_a_worker), unless
     `saved_through` names an earlier step."""
     from vllm.v1.outputs import KVConnectorOutput
 
     from kvpool_connector.vllm_types import KVPoolSaveProgress
 
-    loaded = {ld.req_id for ld in so.kv_connector_metadata.loads}
+    loaded = {ld.req_id for ld in so.kv_connector_metadata.loads if not ld.in_step}  # in-step: never reported
     req_ids = list(so.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids,

@@ -159,6 +159,47 @@ def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(s
     assert client.lookup(keys) == 1
 
 
+def test_an_in_step_load_lands_before_the_forward_and_a_failed_one_keeps_none_of_the_steps_saves(
+    sidecar_factory,
+) -> None:
+    """sync_loads: start_load returns once the step's loads have landed (the forward reads them next);
+    their failed blocks go to vLLM with this step's output and the request is never reported finished.
+    The step computed over the failed blocks (vLLM drops its output for the requests on them), so none
+    of its saves is kept, a prefix hit's sharing a block included."""
+    proc = sidecar_factory("16Mi")
+    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=4)
+    saves = chunk_ops([[0, 1], [2, 3]])
+    save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
+    client = SidecarClient(proc.info["url"], timeout=5)
+
+    good = StepPlan(loads=[LoadSpec("b", chunk_ops([[6, 7]]), in_step=True)], step=1)
+    dst.start_load(good)
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):  # landed, no get_finished needed
+        assert torch.equal(s[0], d[6]) and torch.equal(s[1], d[7])
+    assert dst.get_finished() == set() and dst.take_load_errors() == set()
+
+    keys = [rank_key(op.link, 0) for op in saves]
+    pinned = client.pin(keys)
+    client.arena()[pinned.slots[1].offset + 100] ^= 0x01  # behind the sidecar's back
+    client.release(pinned.lease)
+    written = chunk_ops([[12, 13], [14, 15], [8, 9]])[2:]  # a chunk the step computes, after the load
+    bad = StepPlan(
+        loads=[LoadSpec("c", chunk_ops([[8, 9], [10, 11]]), in_step=True)],
+        saves=[SaveSpec("c", 0, written)],
+        step=2,
+    )
+    dst.start_load(bad)
+    assert dst.get_finished() == set()
+    assert dst.take_load_errors() == {10, 11}
+    save(dst, bad)
+    assert client.lookup([rank_key(written[0].link, 0)]) == 0, (
+        "a save of the step that failed to load was kept"
+    )
+    assert dst.take_stats()["save_skipped_chunks"] == 1
+    save(dst, StepPlan(saves=[SaveSpec("d", 0, written)], step=3))  # the next step saves again
+    assert client.lookup([rank_key(written[0].link, 0)]) == 1
+
+
 def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sidecar_factory, caplog) -> None:
     """A 70B model at TP 1 with 256-token chunks exceeds a small --max-chunk-bytes: one clear error,
     then no more asking (and no warning per step)."""

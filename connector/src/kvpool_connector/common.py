@@ -26,6 +26,9 @@ class ChunkOp:
 class LoadSpec:
     req_id: str
     chunks: list[ChunkOp]
+    # loaded before this step's forward, in which the request computes (vLLM's synchronous load);
+    # False: beside the steps, the request waiting until the worker reports it finished
+    in_step: bool = False
 
 
 @dataclass

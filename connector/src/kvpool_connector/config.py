@@ -33,6 +33,12 @@ class KVPoolConfig:
     # Saves run on a thread beside the engine (saver.py); false runs them inside the step, at its end
     # (what kvpool did before; `bench steps` measures one against the other).
     async_saves: bool = True
+    # Loads before the step's forward, the request computing in that same step (vLLM's synchronous
+    # load), or beside the steps (asynchronous: the request waits for the step that reports its load,
+    # one step more, which under load is a whole step of other requests). null: in the step on a CPU
+    # engine, beside the steps on a GPU (where the forward would wait for the host). A hybrid model's
+    # loads are always beside the steps: vLLM takes no failed block ids from it.
+    sync_loads: bool | None = None
 
 
 # key -> (accepted types, check on the value or None, what a valid value is)
@@ -51,6 +57,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "model_fingerprint": ((str, type(None)), lambda v: v is None or bool(v), "a non-empty string or null"),
     "kv_events_medium": ((str,), bool, "a non-empty string"),
     "async_saves": ((bool,), None, "true or false"),
+    "sync_loads": ((bool, type(None)), None, "true, false or null"),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(KVPoolConfig)}
 

@@ -111,7 +111,12 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
                 if events_enabled(vllm_config)
                 else None
             )
-            self.scheduler = KVPoolScheduler(self.cfg, namespace, bs, windows=windows, events=events)
+            sync = self.cfg.sync_loads
+            if sync is None:  # on a GPU an in-step load would keep the forward waiting on the host
+                sync = vllm_config.device_config.device_type == "cpu"
+            self.scheduler = KVPoolScheduler(
+                self.cfg, namespace, bs, windows=windows, events=events, sync_loads=sync
+            )
             shared = not namespace.weights.startswith(PRIVATE_WEIGHTS)
             why = "" if shared else "its weights cannot be read to fingerprint them: set model_fingerprint"
             report = {"cache": "on", "shared": shared, "reason": why, "model": model}
@@ -163,7 +168,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # loads are asynchronous: a loading request is not in the forward
+        pass  # an in-step load has landed before the forward starts (start_load_kv waits for it)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         idle = self.has_connector_metadata() and self._meta().idle

@@ -1,8 +1,10 @@
-"""Asynchronous loads (vLLM's load_kv_async), on one copy thread: a request whose chunks are loading
-waits, computing nothing, while the thread pins its chunks (promoting them from Redis when needed),
+"""Loads, on one copy thread, which pins a request's chunks (promoting them from Redis when needed),
 copies them into its blocks, checks each chunk's checksum over what it loaded and gives the pin back.
-The request is reported finished (get_finished) together with the blocks that failed, in the same
-step, so vLLM recomputes them before anything is computed over them.
+Beside the steps (vLLM's load_kv_async): the request waits, computing nothing, and is reported
+finished (get_finished) together with the blocks that failed, in the same step, so vLLM recomputes
+them before anything is computed over them. In the step (LoadSpec.in_step): the step's forward waits
+for the load, and the blocks that failed go to vLLM with that step's output, which vLLM drops for
+every request on them (the worker keeps none of the step's saves).
 
 On CUDA the copy threads stage several chunks at once (arena -> private pinned buffer, hashed as it
 lands), and each verified chunk's DMA and scatter are queued on the side stream in order while the
@@ -86,16 +88,24 @@ class ChunkLoader:
         self.io, self.mapping, self.stream, self.pool = io, mapping, stream, pool
         self._thread.submit(torch.zeros(1).copy_, torch.ones(1)).result()  # started now, not in a request
 
-    def start(self, meta: StepPlan) -> None:
-        """Hands this step's loads to the copy thread; returns at once. On CUDA (called on vLLM's thread,
-        before the forward) the loads' writes will wait for what vLLM has queued so far: a block handed
-        to a load may still be read by the last step's kernels (vLLM may schedule ahead of the GPU)."""
+    def start(self, meta: StepPlan) -> bool:
+        """Hands this step's loads to the copy thread, and waits for those the step computes over
+        (in_step); True when one of those failed. On CUDA (called on vLLM's thread, before the forward)
+        the loads' writes will wait for what vLLM has queued so far: a block handed to a load may still
+        be read by the last step's kernels (vLLM may schedule ahead of the GPU)."""
         queued = None
         if meta.loads and self.stream is not None:
             queued = torch.cuda.Event()
             queued.record()  # on vLLM's current stream
+        in_step = []
         for spec in meta.loads:
-            self._loading[spec.req_id] = self._thread.submit(self._load, spec, queued)
+            future = self._thread.submit(self._load, spec, queued)
+            if spec.in_step:
+                in_step.append(future)
+            else:
+                self._loading[spec.req_id] = future
+        # their failed blocks go to vLLM with this step's output; they are never reported finished
+        return any([self._ended(f.result()) for f in in_step])
 
     def get_finished(self, wait: bool = False) -> set[str]:
         """Requests whose load has ended on this rank; their failed blocks are in take_load_errors()
@@ -108,23 +118,26 @@ class ChunkLoader:
                 list(self._loading.values()), IDLE_WAIT_SECONDS, concurrent.futures.FIRST_COMPLETED
             )
         for req_id in [r for r, f in self._loading.items() if f.done()]:
-            loaded = self._loading.pop(req_id).result()
-            self._finished.add(req_id)
-            self._failed_blocks.update(loaded.failed_blocks)
-            if loaded.failed_blocks:
+            if self._ended(self._loading.pop(req_id).result()):
                 self._failed_requests.add(req_id)
-            for name, value in (
-                ("loaded_chunks", loaded.chunks),
-                ("loaded_bytes", loaded.bytes),
-                ("corrupt_chunks", loaded.corrupt),
-                ("sidecar_errors", loaded.errors),
-                ("load_failed_blocks", len(loaded.failed_blocks)),
-                ("load_seconds", loaded.seconds),
-            ):
-                if value:
-                    self.stats.add(name, value)
+            self._finished.add(req_id)
         done, self._finished = self._finished, set()
         return done
+
+    def _ended(self, loaded: _Loaded) -> bool:
+        """Takes in what a load did; True when a block of it failed."""
+        self._failed_blocks.update(loaded.failed_blocks)
+        for name, value in (
+            ("loaded_chunks", loaded.chunks),
+            ("loaded_bytes", loaded.bytes),
+            ("corrupt_chunks", loaded.corrupt),
+            ("sidecar_errors", loaded.errors),
+            ("load_failed_blocks", len(loaded.failed_blocks)),
+            ("load_seconds", loaded.seconds),
+        ):
+            if value:
+                self.stats.add(name, value)
+        return bool(loaded.failed_blocks)
 
     def take_load_errors(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()

@@ -80,6 +80,7 @@ class KVPoolScheduler:
         clock: Callable[[], float] = time.monotonic,
         windows: Sequence[Callable[[int], int] | None] = (None,),
         events: KVPoolEvents | None = None,
+        sync_loads: bool = False,
     ):
         self.cfg = cfg
         self.block_size = block_size
@@ -88,6 +89,8 @@ class KVPoolScheduler:
         self.windows = list(windows)
         self.full_groups = [g for g, w in enumerate(self.windows) if w is None]
         self.windowed_groups = [g for g, w in enumerate(self.windows) if w is not None]
+        # loads in the step (config.sync_loads); vLLM takes a load's failed blocks only from one group
+        self.sync_loads = sync_loads and len(self.windows) == 1
         self.seed = namespace.seed()
         # every rank that stores a copy of each chunk: a hit means all of them have it
         self.ranks = namespace.ranks
@@ -237,9 +240,10 @@ class KVPoolScheduler:
         if end <= num_computed_tokens:
             return 0, False
         st.lookup = (num_computed_tokens, hit_spans)
-        # Loaded asynchronously: the request computes nothing until every rank has loaded and
-        # checked its chunks, and vLLM has taken back the blocks that failed (see loader.py).
-        return end - num_computed_tokens, True
+        # Asynchronously, the request computes nothing until every rank has loaded and checked its
+        # chunks and vLLM has taken back the blocks that failed; in the step, vLLM drops the step's
+        # output of every request over a failed block and recomputes from it (loader.py).
+        return end - num_computed_tokens, not self.sync_loads
 
     def _keys(self, link: bytes, group: int) -> list[str]:
         """Every rank's key of one group's part of a chunk."""
@@ -314,8 +318,8 @@ class KVPoolScheduler:
         st.asked = None  # scheduled: its next wait asks anew
         if num_external_tokens == 0:  # nothing to load (also the second call after an async load)
             return
-        # The request is not scheduled while it loads, so its blocks come from here, not from
-        # the step's scheduled requests.
+        # An asynchronous load's request is not scheduled while it loads, so its blocks come from
+        # here, not from the step's scheduled requests.
         st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if st.lookup is None:  # vLLM offers only what we matched; never load without a lookup
             self._warn.warning(
@@ -338,7 +342,7 @@ class KVPoolScheduler:
     def build_connector_meta(self, so: SchedulerOutput) -> KVPoolMetadata:
         self._steps += 1
         meta = KVPoolMetadata(idle=so.total_num_scheduled_tokens == 0, step=self._steps)
-        for waiting in self.reqs.values():  # loads of requests waiting for them (not scheduled now)
+        for waiting in self.reqs.values():  # loads allocated in this schedule()
             if waiting.load is not None:
                 spec = self._load_spec(waiting)
                 meta.loads.append(spec)
@@ -416,7 +420,7 @@ class KVPoolScheduler:
 
     def _load_spec(self, st: _ReqState) -> LoadSpec:
         assert st.lookup is not None and st.load is not None
-        return LoadSpec(st.request.request_id, self._ops(st, st.lookup[1], st.load))
+        return LoadSpec(st.request.request_id, self._ops(st, st.lookup[1], st.load), self.sync_loads)
 
     def _save_allowed(self, request: Request) -> bool:
         limit = self.cfg.priority_limit
@@ -491,8 +495,12 @@ class KVPoolScheduler:
         # a hybrid model's failed loads come as whole requests (block ids are per group there): vLLM
         # recomputes them from the start, and their chunks are saved again
         failed = set(getattr(output, "failed_recving", None) or ())
-        # a load's failed blocks come in the step that reports it finished (loader.py)
-        for req_id in getattr(output, "finished_recving", None) or ():
+        # a load's failed blocks come in the step that reports it finished (loader.py), or in the
+        # step it ran in
+        ended = getattr(output, "finished_recving", None) or ()
+        if self.sync_loads:
+            ended = [r for r, st in self.reqs.items() if st.loading]
+        for req_id in ended:
             if (st := self.reqs.get(req_id)) is not None:
                 if st.loading & bad or req_id in failed:
                     st.load_failed = True

@@ -1,8 +1,11 @@
 """Worker half: loads chunks from the sidecar's arena into vLLM's paged KV buffer, saves them back.
 
-Loads are asynchronous (loader.py): no step of the loading request, no other request sharing its
-blocks through vLLM's prefix cache (which caches them only after the load), and no other rank (vLLM
-waits for every rank's report) ever computes over a block that failed.
+Loads run beside the steps (loader.py): no step of the loading request, no other request sharing
+its blocks through vLLM's prefix cache (which caches them only after the load), and no other rank
+(vLLM waits for every rank's report) ever computes over a block that failed. Or, on a CPU engine by
+default, before the forward of the step the request computes in (config.sync_loads): one step sooner.
+There vLLM drops the step's output of every request over a failed block and recomputes from it, and
+the worker keeps none of that step's saves.
 
 Saves leave the step (saver.py): at its end (wait_for_save) a step's chunks go to the save thread,
 which reserves, copies out and commits them with the checksum of the source blocks while vLLM runs on;
@@ -36,7 +39,7 @@ from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 from .arena_mapping import ArenaMapping
 from .breaker import Breaker
 from .chunk_io import ChunkIO
-from .common import ChunkOp, SaveSpec, StepPlan
+from .common import ChunkOp, StepPlan
 from .config import KVPoolConfig, sidecar_client
 from .counters import Counts
 from .keys import rank_key
@@ -98,6 +101,7 @@ class KVPoolWorker:
         self._staged_bytes = 0  # pinned bytes held by saves not finished yet
         self._staged_lock = threading.Lock()
         self._saves_refused = False  # the sidecar refused this worker's chunks: saving is off
+        self._unsaved_step = -1  # a step whose in-step load failed: none of its saves is kept
         self._save_breaker = Breaker()  # a save waited out its timeout: the next steps do not wait
         self._warn = RateLimitedLog(log)
         self.loader = ChunkLoader(self.client, rank, self.stats, self._warn)
@@ -157,10 +161,13 @@ class KVPoolWorker:
         except KeyError as e:
             raise SidecarError(f"GET /v1/arena named no path: {e!r}") from e
 
-    # --- loads (asynchronous: loader.py) ------------------------------------------------------------
+    # --- loads (loader.py) -----------------------------------------------------------------------
 
     def start_load(self, meta: StepPlan) -> None:
-        self.loader.start(meta)
+        if self.loader.start(meta):
+            # The step computes over blocks that failed to load. Which requests read them (a prefix
+            # hit shares blocks) is vLLM's to know, so none of what the step writes is saved.
+            self._unsaved_step = meta.step
 
     def get_finished(self, wait: bool = False) -> set[str]:
         return self.loader.get_finished(wait)
@@ -173,12 +180,14 @@ class KVPoolWorker:
 
     # --- saves -----------------------------------------------------------------------------------
 
-    def _planned(self, saves: list[SaveSpec]) -> list[_Save]:
+    def _planned(self, meta: StepPlan) -> list[_Save]:
         if self._saves_refused or not self.saves:
             return []
-        return [
-            _Save(op, rank_key(op.link, self.rank), save.priority) for save in saves for op in save.chunks
-        ]
+        saves = [_Save(op, rank_key(op.link, self.rank), s.priority) for s in meta.saves for op in s.chunks]
+        if saves and meta.step == self._unsaved_step:
+            self.stats.add("save_skipped_chunks", len(saves))
+            return []
+        return saves
 
     def _copy_out_cuda(self, meta: StepPlan, layers: list[int]) -> None:
         """CUDA: queues `layers` of this step's saves into their pinned buffer, behind the forward."""
@@ -195,7 +204,7 @@ class KVPoolWorker:
         """CUDA, at a step's first copy: one pinned buffer per KV cache group for all its saves."""
         assert self._stream is not None
         self._saves_of, self._layers_out, self._staged = meta, set(), {}
-        self._saves = self._planned(meta.saves)
+        self._saves = self._planned(meta)
         need = sum(self._bytes(s) for s in self._saves)
         with self._staged_lock:
             if self._saves and self._staged_bytes + need > MAX_STAGED_BYTES:
@@ -258,7 +267,7 @@ class KVPoolWorker:
                 self._drop_step_saves()
             saves, self._saves, self._saves_of, self._staged = self._saves, [], None, {}
         else:
-            saves = self._planned(meta.saves)
+            saves = self._planned(meta)
         self.saver.note(meta.step)
         if not saves:
             return
