@@ -3,6 +3,7 @@ another one, bit-exact; a chunk the sidecar cannot serve becomes load errors, ne
 
 from __future__ import annotations
 
+import os
 import signal
 
 import torch
@@ -198,6 +199,28 @@ def test_an_in_step_load_lands_before_the_forward_and_a_failed_one_keeps_none_of
     assert dst.take_stats()["save_skipped_chunks"] == 1
     save(dst, StepPlan(saves=[SaveSpec("d", 0, written)], step=3))  # the next step saves again
     assert client.lookup([rank_key(written[0].link, 0)]) == 1
+
+
+def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidecar_factory) -> None:
+    """A CPU engine binds vLLM's thread to its compute cores (VLLM_CPU_OMP_THREADS_BIND) and the
+    threads it starts inherit that: kvpool's must move off them, or its copies take turns with the
+    forward instead of overlapping it."""
+    assert len(os.sched_getaffinity(0)) >= 2, "needs two cores, as CI has"
+    proc = sidecar_factory("16Mi")
+    allowed = os.sched_getaffinity(0)
+    compute = min(allowed)
+    os.sched_setaffinity(0, {compute})  # as vLLM binds its thread
+    try:
+        src, dst, _, _ = _two_workers(proc.info["url"], seed=5)
+        saves = chunk_ops([[0, 1]])
+        save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
+        run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)]))
+        (loader,) = dst.loader._thread._threads
+        for t in (src.saver._thread, loader):
+            assert t is not None and t.native_id is not None
+            assert compute not in os.sched_getaffinity(t.native_id), f"{t.name} runs on the compute core"
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sidecar_factory, caplog) -> None:

@@ -16,7 +16,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
-import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +26,7 @@ import torch
 from kvpool_sidecar.client import SidecarClient, Slot
 from kvpool_sidecar.client_errors import SidecarError
 
+from .affinity import off_compute_cores
 from .arena_mapping import ArenaChanged, ArenaMapping
 from .chunk_io import ChunkIO
 from .common import ChunkOp, LoadSpec, StepPlan
@@ -36,16 +36,6 @@ from .ratelimit import RateLimitedLog
 
 IDLE_WAIT_SECONDS = 0.02  # the longest an idle step waits for a load (new requests wait that long)
 STAGED_AHEAD = 8  # CUDA: chunks staged ahead of their DMA (two per copy thread; bounds the pinned memory)
-
-
-def _off_compute_cores() -> None:
-    """Moves the copy thread off the cores the forward is bound to (it inherits their affinity),
-    so on CPU the loads overlap the forward of the other requests."""
-    mine = os.sched_getaffinity(0)
-    others = set(range(os.cpu_count() or 1)) - mine
-    if others:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, others)
 
 
 @dataclass
@@ -71,7 +61,7 @@ class ChunkLoader:
         self.mapping: ArenaMapping | None = None
         self.stream: torch.cuda.Stream | None = None
         self.pool: ThreadPoolExecutor | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load", initializer=_off_compute_cores)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load", initializer=off_compute_cores)
         self._loading: dict[str, Future[_Loaded]] = {}
         self._finished: set[str] = set()  # loads done, not yet reported
         self._failed_blocks: set[int] = set()  # their blocks that failed, reported with them

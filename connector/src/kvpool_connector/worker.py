@@ -36,6 +36,7 @@ from kvpool_sidecar.client import Slot
 from kvpool_sidecar.client_errors import SidecarError, SidecarRefused, SidecarTimeout
 from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
+from .affinity import off_compute_cores
 from .arena_mapping import ArenaMapping
 from .breaker import Breaker
 from .chunk_io import ChunkIO
@@ -122,7 +123,9 @@ class KVPoolWorker:
         self.layer_index = {name: i for i, (name, _) in enumerate(caches)}
         if self.io.cuda:
             self._stream = torch.cuda.Stream()
-            self._pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvpool-copy")
+            self._pool = ThreadPoolExecutor(
+                COPY_THREADS, thread_name_prefix="kvpool-copy", initializer=off_compute_cores
+            )
         self.loader.attach(self.io, self._mapping, self._stream, self._pool)
         if chunk_blocks:
             self._check_chunk_size(chunk_blocks * self.io.max_block_bytes)
