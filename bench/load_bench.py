@@ -6,7 +6,9 @@ tier; LMCache's multiprocess mode when .venv-lmcache exists (`bash bench/lmcache
 arm's server is up for the whole run and the arms take turns at each level in an order that rotates
 from level to level, so a drift of the machine lands on every arm. No reuse is also run as
 ABBA-alternating pairs of vLLM alone and kvpool, PAIRS of them at each level, since the difference
-claimed there is a percent or two. Every run sends prompts no server has seen (a seed per level and
+claimed there is a percent or two; and at concurrency 1 prompt by prompt (each unique prompt sent to
+both, the order alternating), where neighbouring requests share the machine's state and a percent
+can be resolved. Every run sends prompts no server has seen (a seed per level and
 repetition), the same prompts to every arm. The servers are workloads_bench's: the BENCH model,
 block 64, prefix caching on, one compute thread, temperature 0, token ids.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import statistics
 import tempfile
 import threading
@@ -38,7 +41,8 @@ from kvpool_demo.tinymodel import BENCH, make_model
 from kvpool_demo.workloads import Turn, multi_round_qa, no_reuse
 
 LEVELS = (1, 2, 4, 8)
-PAIRS = 5
+PAIRS = 8
+INTERLEAVED = 64  # unique prompts sent to both vLLM alone and kvpool, one at a time
 # Room for 8 requests of the longest prompt (7 blocks) at once, but not for the working set: 16
 # users' ~5,000 tokens are 1.7x of it, so a user returning after the 15 others misses vLLM's cache.
 ENGINE_BLOCKS = 48
@@ -56,7 +60,7 @@ def multi_round(seed: int) -> list[Turn]:
 
 
 def unique(seed: int) -> list[Turn]:
-    return no_reuse(8, 352, answer=8, vocab=BENCH.vocab, seed=seed)
+    return no_reuse(12, 352, answer=8, vocab=BENCH.vocab, seed=seed)
 
 
 WORKLOADS: dict[str, Callable[[int], list[Turn]]] = {QA: multi_round, UNIQUE: unique}
@@ -172,6 +176,42 @@ def sweep(urls: dict[str, str]) -> list[Run]:
     return runs
 
 
+def interleaved(urls: dict[str, str]) -> dict[str, list[Request]]:
+    """No reuse at concurrency 1, prompt by prompt: each prompt goes to vLLM alone and to kvpool (a
+    miss on both), in an order that alternates; per arm, its requests in prompt order."""
+    apis = {
+        a: OpenAI(base_url=urls[a] + "/v1", api_key="none", max_retries=0, timeout=600)
+        for a in (ALONE, KVPOOL)
+    }
+    out: dict[str, list[Request]] = {ALONE: [], KVPOOL: []}
+    for i, t in enumerate(no_reuse(INTERLEAVED, 352, answer=8, vocab=BENCH.vocab, seed=77)):
+        for arm in (ALONE, KVPOOL) if i % 2 == 0 else (KVPOOL, ALONE):
+            ttft, seconds, ids = send(apis[arm], t)
+            out[arm].append(Request(t.user, t.round, len(t.prompt), ttft, seconds, ids))
+    return out
+
+
+def bootstrap_median(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% interval of the median of xs (resampled with replacement)."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n)]
+
+
+def interleaved_report(byarm: dict[str, list[Request]]) -> str:
+    ratios = [k.ttft / a.ttft for a, k in zip(byarm[ALONE], byarm[KVPOOL], strict=True)]
+    low, high = bootstrap_median(ratios)
+    same = sum(a.output == k.output for a, k in zip(byarm[ALONE], byarm[KVPOOL], strict=True))
+    return (
+        f"- no reuse at concurrency 1, prompt by prompt ({len(ratios)} prompts, each to both, order "
+        f"alternating): TTFT kvpool / vLLM alone, median of the per-prompt ratios "
+        f"{statistics.median(ratios):.4f} "
+        f"(95% interval {low:.4f}-{high:.4f}; target <= 1.01); TTFT p50 vLLM alone "
+        f"{statistics.median(r.ttft for r in byarm[ALONE]):.3f} s, kvpool "
+        f"{statistics.median(r.ttft for r in byarm[KVPOOL]):.3f} s; same ids {same}/{len(ratios)}"
+    )
+
+
 def _find(runs: list[Run], arm: str, workload: str, level: int, rep: int = 0) -> Run:
     return next(r for r in runs if (r.arm, r.workload, r.level, r.rep) == (arm, workload, level, rep))
 
@@ -226,6 +266,19 @@ def targets(runs: list[Run]) -> list[str]:
             f"against itself, TTFT p50 of each pair over the median: "
             f"{_spread([_p50(a) / statistics.median(_p50(b) for b, _ in pairs) for a, _ in pairs])}"
         )
+    every = [
+        tuple(_find(runs, a, UNIQUE, lv, i) for a in (ALONE, KVPOOL)) for lv in LEVELS for i in range(PAIRS)
+    ]
+    for what, ratio in (
+        ("out tok/s", lambda a, k: k.out_tokens_per_s / a.out_tokens_per_s),
+        ("TTFT p50", lambda a, k: _p50(k) / _p50(a)),
+    ):
+        xs = [ratio(a, k) for a, k in every]
+        low, high = bootstrap_median(xs)
+        lines.append(
+            f"- no reuse, all {len(xs)} pairs of every level: {what} kvpool / vLLM alone, median "
+            f"{statistics.median(xs):.3f} (95% interval {low:.3f}-{high:.3f})"
+        )
     return lines
 
 
@@ -244,6 +297,14 @@ def main() -> None:
             closed_loop(urls[name], no_reuse(1, 256, answer=2, vocab=BENCH.vocab, seed=99), 1)  # warm-up
         print(f"(servers up; {load_note()})", flush=True)
         runs = sweep(urls)
+        byarm = interleaved(urls)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "load.json").write_text(json.dumps([asdict(r) for r in runs]))
-    print("\n".join([*report(runs), "Targets:", *targets(runs)]))
+    (RESULTS / "load.json").write_text(
+        json.dumps(
+            {
+                "runs": [asdict(r) for r in runs],
+                "interleaved": {a: [asdict(r) for r in rs] for a, rs in byarm.items()},
+            }
+        )
+    )
+    print("\n".join([*report(runs), "Targets:", *targets(runs), interleaved_report(byarm)]))
