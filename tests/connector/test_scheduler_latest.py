@@ -132,46 +132,31 @@ def test_unreachable_sidecar_is_a_miss(tiny_model, sidecar_factory) -> None:
     assert_empty(s)
 
 
-def test_load_errors_are_recomputed(tiny_model, sidecar) -> None:
+@pytest.mark.parametrize("in_step", [False, True])
+def test_load_errors_are_recomputed(tiny_model, sidecar, in_step) -> None:
+    """A failed block truncates the request back to it, and it recomputes from there. Loaded in the
+    step (sync_loads, a CPU engine's default), the request computes in the step its load runs in: one
+    step sooner than beside the steps, which under load is a whole step of other requests. vLLM then
+    drops that step's token for it, and the next step recomputes from the failed block, loading
+    nothing."""
     url, client = sidecar
-    s = make_scheduler(tiny_model, url)
+    s = make_scheduler(tiny_model, url, sync_loads=in_step)
     tokens = prompt(96, 10)
     store_chunks(s, client, tokens, 3)
     req = make_request(tokens)
     s.add_request(req)
     so = s.schedule()
     (load,) = so.kv_connector_metadata.loads
+    assert load.in_step == in_step
+    # the load is the whole prompt but its last block (vLLM computes the last token), 80 tokens
+    assert so.num_scheduled_tokens == ({req.request_id: 96 - 80} if in_step else {})
     bad = set(load.chunks[1].block_ids)  # as a worker reports a chunk it could not load
     s.update_from_output(so, model_output(s, so, invalid=bad))
-    assert req.num_computed_tokens == 32  # back to the first failed block
-    run_to_end(s)
-    assert_empty(s)
-
-
-def test_an_in_step_load_computes_in_the_step_that_loads_it_and_a_failed_block_is_recomputed(
-    tiny_model, sidecar
-) -> None:
-    """sync_loads (a CPU engine's default): the request computes in the step its load runs in, one
-    step sooner than a load beside the steps (under load, a whole step of other requests sooner). A
-    failed block truncates it back to that block, vLLM drops the step's token for it, and the step
-    after recomputes from there with no load."""
-    url, client = sidecar
-    s = make_scheduler(tiny_model, url, sync_loads=True)
-    tokens = prompt(96, 10)
-    store_chunks(s, client, tokens, 3)
-    req = make_request(tokens)
-    s.add_request(req)
-    so = s.schedule()
-    (load,) = so.kv_connector_metadata.loads
-    loaded = sum(len(op.block_ids) for op in load.chunks) * 16
-    assert load.in_step and loaded == 80  # the whole prompt but its last block: vLLM computes the last token
-    assert so.num_scheduled_tokens == {req.request_id: 96 - loaded}  # in this same step
-    bad = set(load.chunks[1].block_ids)  # as the worker reports a chunk it could not load
-    s.update_from_output(so, model_output(s, so, invalid=bad))
     assert req.num_computed_tokens == 32 and not req.output_token_ids  # back to the first failed block
-    so = s.schedule()
-    assert not so.kv_connector_metadata.loads and so.num_scheduled_tokens == {req.request_id: 64}
-    s.update_from_output(so, model_output(s, so))
+    if in_step:
+        so = s.schedule()
+        assert not so.kv_connector_metadata.loads and so.num_scheduled_tokens == {req.request_id: 64}
+        s.update_from_output(so, model_output(s, so))
     run_to_end(s)
     assert_empty(s)
 
