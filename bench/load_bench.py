@@ -35,8 +35,8 @@ from pathlib import Path
 from openai import OpenAI
 
 from bench.stats import Spread, load_note
-from bench.workloads_bench import RESULTS, arms
-from kvpool_demo.openai_driver import counters, send
+from bench.workloads_bench import RESULTS, _pct, arms
+from kvpool_demo.openai_driver import client, counters, send
 from kvpool_demo.tinymodel import BENCH, make_model
 from kvpool_demo.workloads import Turn, multi_round_qa, no_reuse
 
@@ -97,6 +97,11 @@ class Run:
         return sum(len(r.output) for r in self.requests) / self.wall
 
 
+def _request(api: OpenAI, t: Turn) -> Request:
+    ttft, seconds, ids = send(api, t)
+    return Request(t.user, t.round, len(t.prompt), ttft, seconds, ids)
+
+
 def closed_loop(url: str, turns: list[Turn], concurrency: int) -> tuple[list[Request], float]:
     """Sends `turns` from `concurrency` clients, each taking the next turn in order once its last is
     answered; a turn whose user's previous round is still in flight waits for it. (requests, wall)"""
@@ -105,9 +110,9 @@ def closed_loop(url: str, turns: list[Turn], concurrency: int) -> tuple[list[Req
     taken = 0
     out: list[Request | None] = [None] * len(turns)
 
-    def client() -> None:
+    def one_client() -> None:
         nonlocal taken
-        api = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        api = client(url)
         while True:
             with cond:
                 if taken == len(turns):
@@ -118,8 +123,7 @@ def closed_loop(url: str, turns: list[Turn], concurrency: int) -> tuple[list[Req
                 if t.round > 1 and not cond.wait_for(lambda p=previous: p in answered, WAIT_S):  # type: ignore[misc]
                     raise TimeoutError(f"user {t.user}'s round {t.round - 1} not answered in {WAIT_S} s")
             try:
-                ttft, seconds, ids = send(api, t)
-                out[i] = Request(t.user, t.round, len(t.prompt), ttft, seconds, ids)
+                out[i] = _request(api, t)
             finally:  # a failed turn still releases its user's next, which then fails on its own
                 with cond:
                     answered.add((t.user, t.round))
@@ -127,7 +131,7 @@ def closed_loop(url: str, turns: list[Turn], concurrency: int) -> tuple[list[Req
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        for f in [pool.submit(client) for _ in range(concurrency)]:
+        for f in [pool.submit(one_client) for _ in range(concurrency)]:
             f.result()
     wall = time.perf_counter() - t0
     return [r for r in out if r is not None], wall
@@ -146,11 +150,6 @@ def measure(arm: str, url: str, workload: str, level: int, rep: int) -> Run:
         flush=True,
     )
     return run
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def _ttfts(run: Run, returning: bool = False) -> list[float]:
@@ -179,15 +178,11 @@ def sweep(urls: dict[str, str]) -> list[Run]:
 def interleaved(urls: dict[str, str]) -> dict[str, list[Request]]:
     """No reuse at concurrency 1, prompt by prompt: each prompt goes to vLLM alone and to kvpool (a
     miss on both), in an order that alternates; per arm, its requests in prompt order."""
-    apis = {
-        a: OpenAI(base_url=urls[a] + "/v1", api_key="none", max_retries=0, timeout=600)
-        for a in (ALONE, KVPOOL)
-    }
+    apis = {a: client(urls[a]) for a in (ALONE, KVPOOL)}
     out: dict[str, list[Request]] = {ALONE: [], KVPOOL: []}
     for i, t in enumerate(no_reuse(INTERLEAVED, 352, answer=8, vocab=BENCH.vocab, seed=77)):
         for arm in (ALONE, KVPOOL) if i % 2 == 0 else (KVPOOL, ALONE):
-            ttft, seconds, ids = send(apis[arm], t)
-            out[arm].append(Request(t.user, t.round, len(t.prompt), ttft, seconds, ids))
+            out[arm].append(_request(apis[arm], t))
     return out
 
 

@@ -49,6 +49,11 @@ def counters(url: str) -> dict[str, float]:
     return out
 
 
+def client(url: str) -> OpenAI:
+    """An OpenAI client of the server at `url` that never retries (a retry would hide a failure)."""
+    return OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+
 def send(client: OpenAI, turn: Turn) -> tuple[float, float, list[int]]:
     """(TTFT, total seconds, output ids) of one streamed completion, temperature 0."""
     t0 = time.perf_counter()
@@ -75,7 +80,7 @@ def drive(
     urls: Sequence[str], turns: Sequence[Turn], route: Callable[[Turn], int] = lambda t: 0
 ) -> list[Sample]:
     """Sends `turns` in order, each to the server `route` picks, and reads its token sources."""
-    clients = [OpenAI(base_url=u + "/v1", api_key="none", max_retries=0, timeout=600) for u in urls]
+    clients = [client(u) for u in urls]
     samples = []
     for turn in turns:
         i = route(turn)
