@@ -94,7 +94,8 @@ class ChunkLoader:
                 in_step.append(future)
             else:
                 self._loading[spec.req_id] = future
-        # their failed blocks go to vLLM with this step's output; they are never reported finished
+        # their failed blocks go to vLLM with this step's output; they are never reported finished.
+        # A list, not a generator: every load's result is taken in, also after one that failed.
         return any([self._ended(f.result()) for f in in_step])
 
     def get_finished(self, wait: bool = False) -> set[str]:
