@@ -52,6 +52,13 @@ class Cluster:
     images: dict[str, str]  # operator, sidecar, redis: name:tag, present on the node
     run_dir: Path | None = None  # node: the state directory of tests/node/up.sh
     extra: dict[str, str] = field(default_factory=dict)
+    importing: subprocess.Popen[bytes] | None = None  # node: the vLLM images' import, beside the scenarios
+
+    def wait_for_images(self) -> None:
+        """The vLLM images are on the node (on the node they are imported while the first scenarios run)."""
+        if self.importing is not None:
+            rc = self.importing.wait(timeout=900)
+            assert rc == 0, f"importing the vLLM images failed ({rc}): see {self.run_dir}/import.log"
 
     def kill_container(self, container_id: str) -> None:
         """SIGKILL one container's process, as the OOM killer or a crash would."""

@@ -3,16 +3,15 @@
 KVPOOL_E2E_ON picks the cluster:
   node  (default; `make test`) the real node of tests/node: images built by tests/node/images.sh
         (cached), the node started by up.sh and always stopped by down.sh, also after a failure
-  kind  (`make e2e-kind`) a kind cluster with Docker; builds the images with docker, including the
-        CPU vLLM image the vLLM scenarios (test_vllm.py) need
+  kind  (`make e2e-kind`) a kind cluster with Docker; builds the same images with docker
+Both build the two vLLM images of the vLLM scenarios (test_vllm.py) from the Dockerfile: a stock CPU
+vLLM server (--target vllm-cpu) and the same image with kvpool's connector built in (--target connector).
 
 Settings (environment):
   KVPOOL_NODE_RUN         the node's state directory [/tmp/kvpool-node]
   KVPOOL_E2E_CLUSTER      kind cluster name [kvpool-e2e]; an existing cluster of that name is reused
   KVPOOL_E2E_KEEP         1: keep the cluster afterwards, to look around [delete it; the node's next
                           run stops a kept node first]
-  KVPOOL_E2E_VLLM_IMAGE   a CPU vLLM image to use instead of building one (kind)
-  TORCH_INDEX_URL         a package index serving torch==2.13.0+cpu, to build that image (kind)
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,10 +80,19 @@ def _node() -> Iterator[Cluster]:
     before = host_state()
     with timed("images (tests/node/images.sh; cached)"):
         images = Path(run("bash", NODE_SCRIPTS / "images.sh", timeout=1800).split()[-1])
-    tars = " ".join(str(images / f"{n}.tar") for n in ("pause", "sidecar", "operator", "redis", "vllm-base"))
+    tars = " ".join(str(images / f"{n}.tar") for n in ("pause", "sidecar", "operator", "redis"))
+    importing = None
     try:
         with timed("node up, images imported (tests/node/up.sh)"):
             run("bash", NODE_SCRIPTS / "up.sh", env={**env, "IMAGES": tars}, timeout=600)
+        # the vLLM images (5 GB) go in while the scenarios that do not need them run
+        sock = run_dir / "containerd" / "containerd.sock"
+        with open(run_dir / "import.log", "wb") as log:
+            importing = subprocess.Popen(
+                ["nsenter", "-t", clusterkit.node_pid(run_dir, "keeper"), "-n", "-m", "ctr", "-a", str(sock),
+                 "-n", "k8s.io", "images", "import", str(images / "vllm.tar")],
+                stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
         yield Cluster(
             kind="node",
             kube_args=["--kubeconfig", str(run_dir / "kubeconfig")],
@@ -93,11 +100,16 @@ def _node() -> Iterator[Cluster]:
                 "operator": "localhost/kvpool/operator:node",
                 "sidecar": "localhost/kvpool/sidecar:node",
                 "redis": "localhost/kvpool/redis:7",
-                "vllm-base": "localhost/kvpool/vllm-base:node",
+                "vllm": "localhost/kvpool/vllm-cpu:node",
+                "vllm-connector": "localhost/kvpool/vllm:node",
             },
             run_dir=run_dir,
+            importing=importing,
         )
     finally:
+        if importing is not None and importing.poll() is None:
+            importing.kill()
+            importing.wait()
         if os.environ.get("KVPOOL_E2E_KEEP") != "1":
             with timed("node down (tests/node/down.sh)"):
                 run("bash", NODE_SCRIPTS / "down.sh", env=env, check=False, timeout=300)
@@ -122,17 +134,22 @@ def _kind() -> Iterator[Cluster]:
         run("kind", "create", "cluster", "--name", name, "--wait", "180s")
     try:
         build = ["docker", "build", "--quiet"]
-        run(*build, "--target", "sidecar", "-t", f"kvpool/sidecar:{KIND_TAG}", ".")
-        run(*build, "--target", "operator", "-t", f"kvpool/operator:{KIND_TAG}", ".")
-        for image in ("sidecar", "operator"):
-            run("kind", "load", "docker-image", "--name", name, f"kvpool/{image}:{KIND_TAG}", timeout=1800)
+        images = {t: f"kvpool/{t}:{KIND_TAG}" for t in ("sidecar", "operator", "vllm-cpu", "vllm")}
+        for target in ("sidecar", "operator", "vllm-cpu"):
+            run(*build, "--target", target, "-t", images[target], ".", timeout=3600)
+        run(*build, "--target", "connector", "--build-arg", f"VLLM_IMAGE={images['vllm-cpu']}",
+            "-t", images["vllm"], ".")  # fmt: skip
+        for image in images.values():
+            run("kind", "load", "docker-image", "--name", name, image, timeout=1800)
         yield Cluster(
             kind="kind",
             kube_args=["--context", f"kind-{name}"],
             images={
-                "operator": f"kvpool/operator:{KIND_TAG}",
-                "sidecar": f"kvpool/sidecar:{KIND_TAG}",
+                "operator": images["operator"],
+                "sidecar": images["sidecar"],
                 "redis": "redis:7.4",
+                "vllm": images["vllm-cpu"],
+                "vllm-connector": images["vllm"],
             },
             extra={"name": name},
         )
@@ -171,24 +188,13 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def vllm_workload(cluster: Cluster) -> str:
-    """The shared-Redis pool under a two-replica vLLM CPU Deployment (test_vllm.py). The vLLM image is
-    a stock one, without kvpool: the webhook stages the connector into the pods. On kind it is the
-    Dockerfile's vllm-cpu target; on the node, Debian's python3 with the test environment's
-    site-packages (vLLM and torch) mounted from the host, as building a 6 GB image on every change
-    would cost more than the scenarios themselves."""
+    """The shared-Redis pool under a two-replica vLLM CPU Deployment (test_vllm.py), from the stock
+    vLLM image (nothing of kvpool in it): the webhook stages the connector into the pods."""
     deployment = yaml.safe_load((HERE / "manifests" / "vllm.yaml").read_text())
     (vllm,) = deployment["spec"]["template"]["spec"]["containers"]
-    if cluster.kind == "kind":
-        vllm["image"] = _kind_vllm_image(cluster)
-    else:
-        site = REPO / ".venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-        vllm["image"] = cluster.images["vllm-base"]
-        # a PYTHONPATH of the user's own: the staged connector goes in front of it
-        vllm["env"].append({"name": "PYTHONPATH", "value": "/opt/vllm-site"})
-        vllm["volumeMounts"].append({"name": "vllm-site", "mountPath": "/opt/vllm-site", "readOnly": True})
-        deployment["spec"]["template"]["spec"]["volumes"].append(
-            {"name": "vllm-site", "hostPath": {"path": str(site), "type": "Directory"}}
-        )
+    vllm["image"] = cluster.images["vllm"]
+    with timed("vLLM images imported (waited for, after the scenarios)"):
+        cluster.wait_for_images()
     pool = yaml.safe_load((HERE / "manifests" / "pool.yaml").read_text())
     pool["spec"]["redis"]["image"] = cluster.images["redis"]
     kubectl("apply", "-f", "-", stdin=json.dumps(pool))
@@ -199,15 +205,3 @@ def vllm_workload(cluster: Cluster) -> str:
     with timed("vLLM Deployment rolled out (2 replicas)"):
         kubectl("-n", NAMESPACE, "rollout", "status", "deployment/vllm", "--timeout", "900s", timeout=960)
     return "app=vllm-e2e"
-
-
-def _kind_vllm_image(cluster: Cluster) -> str:
-    vllm_image = os.environ.get("KVPOOL_E2E_VLLM_IMAGE")
-    if not vllm_image:
-        index = os.environ.get("TORCH_INDEX_URL")
-        need(bool(index), "TORCH_INDEX_URL (an index with torch==2.13.0+cpu) or KVPOOL_E2E_VLLM_IMAGE")
-        vllm_image = f"kvpool/vllm-cpu:{KIND_TAG}"
-        run("docker", "build", "--quiet", "--target", "vllm-cpu", "--build-arg", f"TORCH_INDEX_URL={index}",
-            "-t", vllm_image, ".", timeout=3600)  # fmt: skip
-    run("kind", "load", "docker-image", "--name", cluster.extra["name"], vllm_image, timeout=1800)
-    return vllm_image

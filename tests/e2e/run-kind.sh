@@ -3,8 +3,8 @@
 # the vLLM scenarios. Creates a kind cluster (or reuses KVPOOL_E2E_CLUSTER), builds
 # and loads kvpool's images, installs the chart, runs a shared-Redis pool under a two-replica vLLM CPU
 # Deployment and checks what tests/e2e/test_vllm.py says. Needs Docker and kind; helm and kubectl
-# come from scripts/get-helm.sh. Building the CPU vLLM image needs TORCH_INDEX_URL (an index with
-# torch==2.13.0+cpu), or give a ready CPU vLLM image as KVPOOL_E2E_VLLM_IMAGE.
+# come from scripts/get-helm.sh. The two vLLM images (stock and with the connector, ~5 GB) are built
+# from the Dockerfile like the others.
 # KVPOOL_E2E_KEEP=1 keeps the cluster afterwards. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -1,8 +1,9 @@
-"""vLLM on a real cluster, from a stock image (nothing of kvpool in it): injection with the staged
-connector, the sidecar's endpoints, a returning prompt loaded from kvpool (vLLM's own /metrics), a
-cross-pod hit through the shared Redis tier with identical output, a killed sidecar that vLLM answers
-through with the same tokens and that comes back with its arena's chunks, a rollout whose new pods
-load what the old ones served, honest `kubectl get kvp`, and clean deletion. Runs on the real node
+"""vLLM on a real cluster, from a stock image built from the Dockerfile (nothing of kvpool in it):
+injection with the staged connector, the sidecar's endpoints, a returning prompt loaded from kvpool
+(vLLM's own /metrics), a cross-pod hit through the shared Redis tier with identical output, a killed
+sidecar that vLLM answers through with the same tokens and that comes back with its arena's chunks, a
+rollout to the same image with kvpool's connector built in (nothing staged) whose new pods load what
+the old ones served, honest `kubectl get kvp`, and clean deletion. Runs on the real node
 (make test) and on kind (make e2e-kind).
 
 The tests run in file order on one cluster: the hit-rate check reads what the earlier tests did, and
@@ -143,9 +144,11 @@ def test_vllm_answers_the_same_through_a_killed_sidecar(cluster: Cluster, vllm_w
     assert container_status(after, "vllm")["restartCount"] == container_status(pod, "vllm")["restartCount"]
 
 
-def test_a_rollout_comes_up_warm_from_the_shared_tier(vllm_workload: str) -> None:
-    """The Deployment rolls (new pods, empty arenas): a conversation the old pods served loads as much
-    from kvpool on a new pod, with the same answer, and from its own CPU tier: the pool's pre-warm
+def test_a_rollout_comes_up_warm_from_the_shared_tier(cluster: Cluster, vllm_workload: str) -> None:
+    """The Deployment rolls to the vLLM image with kvpool's connector built in (Dockerfile --target
+    connector), annotated `kvpool.dev/connector: image`: new pods, empty arenas, the sidecar injected and
+    nothing staged, so vLLM runs the image's own connector. A conversation the old pods served loads as
+    much from kvpool on a new pod, with the same answer, and from its own CPU tier: the pool's pre-warm
     (spec.redis.prewarm) loaded the chunks the old pods used most into it as it started."""
     old = vllm_pods()[0]["metadata"]["name"]
     with port_forward(old, 8000) as vllm, port_forward(old, STATUS_PORT) as side:
@@ -159,11 +162,27 @@ def test_a_rollout_comes_up_warm_from_the_shared_tier(vllm_workload: str) -> Non
 
         wait_until(lambda: redis_tier()["queued"] == 0, 60, "the write-behind")
         wait_until(lambda: redis_tier()["hot_reported"] > 0, 60, "the loads counted into the pool's hot set")
-    kubectl("-n", NAMESPACE, "rollout", "restart", "deployment/vllm")
+    template = {
+        "metadata": {"annotations": {"kvpool.dev/connector": "image"}},
+        "spec": {"containers": [{"name": "vllm", "image": cluster.images["vllm-connector"]}]},
+    }
+    patch = json.dumps({"spec": {"template": template}})
+    kubectl("-n", NAMESPACE, "patch", "deployment", "vllm", "-p", patch)
     kubectl("-n", NAMESPACE, "rollout", "status", "deployment/vllm", "--timeout", "900s", timeout=960)
     rolled = time.monotonic()
     new = [p["metadata"]["name"] for p in vllm_pods()]
     assert old not in new and len(new) == 2
+    pool = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared")
+    for pod in vllm_pods():
+        (container,) = pod["spec"]["containers"]
+        assert container["image"] == cluster.images["vllm-connector"]
+        assert_injected(pod, pool, "vllm")
+        assert not any(c["name"] == "kvpool-connector" for c in pod["spec"]["initContainers"])  # none staged
+        assert not any(e["name"] == "PYTHONPATH" for e in container.get("env", []))  # the image's own holds
+        assert all(s["restartCount"] == 0 for s in container_statuses(pod)), container_statuses(pod)
+    where = "import kvpool_connector.connector as c; print(c.__file__)"
+    loaded = kubectl("-n", NAMESPACE, "exec", new[0], "-c", "vllm", "--", "python3", "-c", where)
+    assert loaded.strip() == "/opt/kvpool/kvpool_connector/connector.py", loaded
     with port_forward(new[0], 8000) as vllm, port_forward(new[0], STATUS_PORT) as side:
         warm = wait_until(
             lambda: (r := get_json(side + "/stats")["tiers"]["redis"])["prewarm"] == "done" and r,
