@@ -34,8 +34,8 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from bench.stats import Spread, load_note
-from bench.workloads_bench import RESULTS, _pct, arms
+from bench.stats import Spread, load_note, pct
+from bench.workloads_bench import RESULTS, arms
 from kvpool_demo.openai_driver import client, counters, send
 from kvpool_demo.tinymodel import BENCH, make_model
 from kvpool_demo.workloads import Turn, multi_round_qa, no_reuse
@@ -223,13 +223,13 @@ def report(runs: list[Run]) -> list[str]:
             base = _find(runs, ALONE, workload, level)
             for run in (r for r in runs if r.workload == workload and r.level == level and r.rep == 0):
                 ret = _ttfts(run, returning=True)
-                ret_txt = f"{statistics.median(ret):.3f} / {_pct(ret, 0.99):.3f}" if ret else "-"
+                ret_txt = f"{statistics.median(ret):.3f} / {pct(ret, 0.99):.3f}" if ret else "-"
                 itls = [x for x in (r.itl for r in run.requests) if x is not None]
                 eng, con = run.tokens["engine"], run.tokens["connector"]
                 same = sum(a.output == b.output for a, b in zip(run.requests, base.requests, strict=True))
                 t = _ttfts(run)
                 lines.append(
-                    f"| {level} | {run.arm} | {statistics.median(t):.3f} / {_pct(t, 0.99):.3f} | {ret_txt} | "
+                    f"| {level} | {run.arm} | {statistics.median(t):.3f} / {pct(t, 0.99):.3f} | {ret_txt} | "
                     f"{1e3 * statistics.median(itls):.1f} | {run.out_tokens_per_s:.2f} | "
                     f"{len(run.requests) / run.wall:.3f} | "
                     f"{eng} / {con} / {run.tokens['prompt'] - eng - con} | "
@@ -254,7 +254,7 @@ def targets(runs: list[Run]) -> list[str]:
             f"- concurrency {level}: multi-round QA out tok/s kvpool / vLLM alone = "
             f"{kv.out_tokens_per_s / alone.out_tokens_per_s:.3f} (target >= 1); returning users' TTFT "
             f"kvpool / floor p50 {statistics.median(ret[KVPOOL]) / statistics.median(ret[FLOOR]):.3f} "
-            f"(target <= 1.10), p99 {_pct(ret[KVPOOL], 0.99) / _pct(ret[FLOOR], 0.99):.3f} (target <= 1.25); "
+            f"(target <= 1.10), p99 {pct(ret[KVPOOL], 0.99) / pct(ret[FLOOR], 0.99):.3f} (target <= 1.25); "
             f"no reuse, kvpool / vLLM alone over {PAIRS} pairs, median [range]: out tok/s "
             f"{_spread([k.out_tokens_per_s / a.out_tokens_per_s for a, k in pairs])} (target >= 1), "
             f"TTFT p50 {_spread([_p50(k) / _p50(a) for a, k in pairs])} (target <= 1.01); vLLM alone "

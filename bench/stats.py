@@ -11,6 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The sample at quantile q (nearest rank): with few samples, p99 is the slowest one."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
 @dataclass(frozen=True)
 class Spread:
     median: float

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.stats import load_note
+from bench.stats import load_note, pct
 from kvpool_demo.localrun import (
     free_port,
     kvpool_connector_spec,
@@ -190,11 +190,6 @@ def run_arm(name: str, servers: Servers, route: Callable[[Turn], int], work: Pat
     return result
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 def _ttfts(samples: list[Sample], rounds: Callable[[int], bool]) -> list[float]:
     return [s.ttft for s in samples if rounds(s.turn.round)]
 
@@ -225,9 +220,9 @@ def report(results: list[ArmResult]) -> list[str]:
             )
             same = sum(a.output == b.output for a, b in zip(ss, base.samples[wl], strict=True))
             out_tokens = sum(len(s.output) for s in ss)
-            later_txt = f"{statistics.median(later):.3f} / {_pct(later, 0.9):.3f}" if later else "-"
+            later_txt = f"{statistics.median(later):.3f} / {pct(later, 0.9):.3f}" if later else "-"
             lines.append(
-                f"| {arm.name} | {statistics.median(first):.3f} / {_pct(first, 0.9):.3f} | {later_txt} | "
+                f"| {arm.name} | {statistics.median(first):.3f} / {pct(first, 0.9):.3f} | {later_txt} | "
                 f"{wall:.1f} s | {len(ss) / wall:.3f} | {out_tokens / wall:.2f} | {eng} / {con} / {comp} | "
                 f"{served / max(1, sum(reusable)):.0%} | {same}/{len(ss)} |"
             )
