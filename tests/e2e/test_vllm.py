@@ -170,10 +170,11 @@ def test_a_rollout_comes_up_warm_from_the_shared_tier(cluster: Cluster, vllm_wor
     kubectl("-n", NAMESPACE, "patch", "deployment", "vllm", "-p", patch)
     kubectl("-n", NAMESPACE, "rollout", "status", "deployment/vllm", "--timeout", "900s", timeout=960)
     rolled = time.monotonic()
-    new = [p["metadata"]["name"] for p in vllm_pods()]
+    rolled_pods = vllm_pods()
+    new = [p["metadata"]["name"] for p in rolled_pods]
     assert old not in new and len(new) == 2
     pool = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared")
-    for pod in vllm_pods():
+    for pod in rolled_pods:
         (container,) = pod["spec"]["containers"]
         assert container["image"] == cluster.images["vllm-connector"]
         assert_injected(pod, pool, "vllm")
