@@ -94,6 +94,7 @@ def test_kvpool_counters_are_on_vllms_own_metrics(server: Server) -> None:
     assert _total(families["vllm:kvpool_loaded_chunks"]) >= 4
     assert _total(families["vllm:kvpool_saved_chunks"]) >= 4
     assert _total(families["vllm:kvpool_lookups"]) >= 2
+    assert 0 < _total(families["vllm:kvpool_lookup_seconds"]) < 60  # timed, in seconds
     for stat in STATS:  # every declared statistic, as declared, with vLLM's labels
         family = families[stat.prom_name.removesuffix("_total")]
         assert family.type == stat.kind == "counter", stat.name

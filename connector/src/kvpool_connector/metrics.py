@@ -29,6 +29,7 @@ STATS = (
     Stat("lookup_errors", "Lookups that failed or timed out (counted as misses)"),
     Stat("lookups_skipped", "Lookups not asked while the lookup breaker was open (counted as misses)"),
     Stat("lookups_deferred", "Lookups put off a step: this engine's save of a chunk they need was running"),
+    Stat("lookup_seconds", "Seconds the scheduler spent in lookups, round trips to the sidecar included"),
     Stat("lookups_reused", "Lookups of a waiting request answered with its last answer (no round trip)"),
     Stat("hit_tokens", "Prompt tokens offered to vLLM from the kvpool sidecar (loaded, not computed)"),
     Stat("unkeyable_requests", "Requests with an input kvpool cannot key (neither loaded nor saved)"),

@@ -178,7 +178,9 @@ class KVPoolScheduler:
             self.stats.add("lookups_reused")
         else:
             now = self._clock()  # before the round trip: the answer is at most this old
+            started = time.perf_counter()  # what kvpool costs vLLM's scheduler, hit or miss
             found, load_async = self._lookup(st, request, num_computed_tokens)
+            self.stats.add("lookup_seconds", time.perf_counter() - started)
             if found is None:  # ask again next step, once the save it waits for has finished
                 return None, False
             spans: list[Span] = st.lookup[1] if st.lookup is not None else []
