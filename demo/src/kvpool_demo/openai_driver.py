@@ -36,12 +36,12 @@ class Sample:
         return len(self.turn.prompt) - self.engine_tokens - self.connector_tokens
 
 
-def counters(url: str) -> dict[str, float]:
-    """COUNTERS' values on the server at `url` now."""
+def counters(url: str, which: dict[str, str] = COUNTERS) -> dict[str, float]:
+    """The values of `which` (short name: metric) on the server at `url` now."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    out = dict.fromkeys(COUNTERS, 0.0)
-    names = {v: k for k, v in COUNTERS.items()}
+    out = dict.fromkeys(which, 0.0)
+    names = {v: k for k, v in which.items()}
     for line in text.splitlines():
         name, _, value = line.partition("{") if "{" in line else line.partition(" ")
         if name in names:
