@@ -36,7 +36,7 @@ from openai import OpenAI
 
 from bench.stats import Spread, load_note, pct
 from bench.workloads_bench import RESULTS, arms
-from kvpool_demo.openai_driver import client, counters, send
+from kvpool_demo.openai_driver import COUNTERS, client, counters, send
 from kvpool_demo.tinymodel import BENCH, make_model
 from kvpool_demo.workloads import Turn, multi_round_qa, no_reuse
 
@@ -45,8 +45,9 @@ PAIRS = 8
 # multi-round QA as ABBA pairs of the floor and kvpool, the first one the sweep's: one run's
 # returning-user p50 moved 10% either way from run to run here, the size of the margin claimed
 QA_PAIRS = 4
-# what kvpool costs vLLM's scheduler (hit or miss), read off the server's /metrics around each run
-LOOKUP = {"lookup_seconds": "vllm:kvpool_lookup_seconds_total"}
+# read off the server's /metrics around each run: where prompt tokens came from, and what kvpool
+# costs vLLM's scheduler (hit or miss)
+WATCHED = {**COUNTERS, "lookup_seconds": "vllm:kvpool_lookup_seconds_total"}
 INTERLEAVED = 64  # unique prompts sent to both vLLM alone and kvpool, one at a time
 # Room for 8 requests of the longest prompt (7 blocks) at once, but not for the working set: 16
 # users' ~5,000 tokens are 1.7x of it, so a user returning after the 15 others misses vLLM's cache.
@@ -145,11 +146,11 @@ def closed_loop(url: str, turns: list[Turn], concurrency: int) -> tuple[list[Req
 
 def measure(arm: str, url: str, workload: str, level: int, rep: int) -> Run:
     turns = WORKLOADS[workload](1000 * level + 100 * rep + (7 if workload == QA else 0))
-    before, looked = counters(url), counters(url, LOOKUP)
+    before = counters(url, WATCHED)
     requests, wall = closed_loop(url, turns, level)
-    after = counters(url)
-    tokens = {k: round(after[k] - before[k]) for k in after}
-    lookup = counters(url, LOOKUP)["lookup_seconds"] - looked["lookup_seconds"]
+    after = counters(url, WATCHED)
+    tokens = {k: round(after[k] - before[k]) for k in COUNTERS}
+    lookup = after["lookup_seconds"] - before["lookup_seconds"]
     run = Run(arm, workload, level, rep, wall, requests, tokens, lookup)
     print(
         f"  c={level} {workload} rep {rep} {arm}: {wall:.1f} s, TTFT p50 {_p50(run):.3f} s, "
