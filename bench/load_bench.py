@@ -5,10 +5,9 @@ Arms: vLLM alone; the floor (the same engine with KV for the whole working set);
 tier; LMCache's multiprocess mode when .venv-lmcache exists (`bash bench/lmcache-env.sh`). Every
 arm's server is up for the whole run and the arms take turns at each level in an order that rotates
 from level to level, so a drift of the machine lands on every arm. No reuse is also run as
-ABBA-alternating pairs of vLLM alone and kvpool, PAIRS of them at each level, since the difference
-claimed there is a percent or two; and at concurrency 1 prompt by prompt (each unique prompt sent to
-both, the order alternating), where neighbouring requests share the machine's state and a percent
-can be resolved. Every run sends prompts no server has seen (a seed per level and
+ABBA-alternating pairs of vLLM alone and kvpool, PAIRS of them at each level. Whole runs move
+10-45% from run to run here: bench paired compares the same arms wave by wave, where the targets'
+gaps can be resolved. Every run sends prompts no server has seen (a seed per level and
 repetition), the same prompts to every arm. The servers are workloads_bench's: the BENCH model,
 block 64, prefix caching on, one compute thread, temperature 0, token ids.
 
@@ -22,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import statistics
 import tempfile
 import threading
@@ -34,7 +32,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from bench.stats import Spread, load_note, pct
+from bench.stats import Spread, bootstrap, load_note, pct
 from bench.workloads_bench import RESULTS, arms
 from kvpool_demo.openai_driver import COUNTERS, client, counters, send
 from kvpool_demo.tinymodel import BENCH, make_model
@@ -48,7 +46,6 @@ QA_PAIRS = 4
 # read off the server's /metrics around each run: where prompt tokens came from, and what kvpool
 # costs vLLM's scheduler (hit or miss)
 WATCHED = {**COUNTERS, "lookup_seconds": "vllm:kvpool_lookup_seconds_total"}
-INTERLEAVED = 64  # unique prompts sent to both vLLM alone and kvpool, one at a time
 # Room for 8 requests of the longest prompt (7 blocks) at once, but not for the working set: 16
 # users' ~5,000 tokens are 1.7x of it, so a user returning after the 15 others misses vLLM's cache.
 ENGINE_BLOCKS = 48
@@ -65,8 +62,12 @@ def multi_round(seed: int) -> list[Turn]:
     return multi_round_qa(16, 3, system=128, history=192, question=32, answer=8, vocab=BENCH.vocab, seed=seed)
 
 
+def unique_prompts(n: int, seed: int) -> list[Turn]:
+    return no_reuse(n, 352, answer=8, vocab=BENCH.vocab, seed=seed)
+
+
 def unique(seed: int) -> list[Turn]:
-    return no_reuse(12, 352, answer=8, vocab=BENCH.vocab, seed=seed)
+    return unique_prompts(12, seed)
 
 
 WORKLOADS: dict[str, Callable[[int], list[Turn]]] = {QA: multi_round, UNIQUE: unique}
@@ -104,7 +105,7 @@ class Run:
         return sum(len(r.output) for r in self.requests) / self.wall
 
 
-def _request(api: OpenAI, t: Turn) -> Request:
+def request(api: OpenAI, t: Turn) -> Request:
     ttft, seconds, ids = send(api, t)
     return Request(t.user, t.round, len(t.prompt), ttft, seconds, ids)
 
@@ -130,7 +131,7 @@ def closed_loop(url: str, turns: list[Turn], concurrency: int) -> tuple[list[Req
                 if t.round > 1 and not cond.wait_for(lambda p=previous: p in answered, WAIT_S):  # type: ignore[misc]
                     raise TimeoutError(f"user {t.user}'s round {t.round - 1} not answered in {WAIT_S} s")
             try:
-                out[i] = _request(api, t)
+                out[i] = request(api, t)
             finally:  # a failed turn still releases its user's next, which then fails on its own
                 with cond:
                     answered.add((t.user, t.round))
@@ -183,38 +184,6 @@ def sweep(urls: dict[str, str]) -> list[Run]:
             for rep in range(1, pairs):
                 runs += [measure(a, urls[a], workload, level, rep) for a in (ab[::-1] if rep % 2 else ab)]
     return runs
-
-
-def interleaved(urls: dict[str, str]) -> dict[str, list[Request]]:
-    """No reuse at concurrency 1, prompt by prompt: each prompt goes to vLLM alone and to kvpool (a
-    miss on both), in an order that alternates; per arm, its requests in prompt order."""
-    apis = {a: client(urls[a]) for a in (ALONE, KVPOOL)}
-    out: dict[str, list[Request]] = {ALONE: [], KVPOOL: []}
-    for i, t in enumerate(no_reuse(INTERLEAVED, 352, answer=8, vocab=BENCH.vocab, seed=77)):
-        for arm in (ALONE, KVPOOL) if i % 2 == 0 else (KVPOOL, ALONE):
-            out[arm].append(_request(apis[arm], t))
-    return out
-
-
-def bootstrap_median(xs: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95% interval of the median of xs (resampled with replacement)."""
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(n))
-    return meds[int(0.025 * n)], meds[int(0.975 * n)]
-
-
-def interleaved_report(byarm: dict[str, list[Request]]) -> str:
-    ratios = [k.ttft / a.ttft for a, k in zip(byarm[ALONE], byarm[KVPOOL], strict=True)]
-    low, high = bootstrap_median(ratios)
-    same = sum(a.output == k.output for a, k in zip(byarm[ALONE], byarm[KVPOOL], strict=True))
-    return (
-        f"- no reuse at concurrency 1, prompt by prompt ({len(ratios)} prompts, each to both, order "
-        f"alternating): TTFT kvpool / vLLM alone, median of the per-prompt ratios "
-        f"{statistics.median(ratios):.4f} "
-        f"(95% interval {low:.4f}-{high:.4f}; target <= 1.01); TTFT p50 vLLM alone "
-        f"{statistics.median(r.ttft for r in byarm[ALONE]):.3f} s, kvpool "
-        f"{statistics.median(r.ttft for r in byarm[KVPOOL]):.3f} s; same ids {same}/{len(ratios)}"
-    )
 
 
 def _find(runs: list[Run], arm: str, workload: str, level: int, rep: int = 0) -> Run:
@@ -284,7 +253,7 @@ def targets(runs: list[Run]) -> list[str]:
         ("TTFT p50", lambda a, k: _p50(k) / _p50(a)),
     ):
         xs = [ratio(a, k) for a, k in every]
-        low, high = bootstrap_median(xs)
+        low, high = bootstrap(xs, statistics.median)
         lines.append(
             f"- no reuse, all {len(xs)} pairs of every level: {what} kvpool / vLLM alone, median "
             f"{statistics.median(xs):.3f} (95% interval {low:.3f}-{high:.3f})"
@@ -307,14 +276,6 @@ def main() -> None:
             closed_loop(urls[name], no_reuse(1, 256, answer=2, vocab=BENCH.vocab, seed=99), 1)  # warm-up
         print(f"(servers up; {load_note()})", flush=True)
         runs = sweep(urls)
-        byarm = interleaved(urls)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "load.json").write_text(
-        json.dumps(
-            {
-                "runs": [asdict(r) for r in runs],
-                "interleaved": {a: [asdict(r) for r in rs] for a, rs in byarm.items()},
-            }
-        )
-    )
-    print("\n".join([*report(runs), "Targets:", *targets(runs), interleaved_report(byarm)]))
+    (RESULTS / "load.json").write_text(json.dumps({"runs": [asdict(r) for r in runs]}))
+    print("\n".join([*report(runs), "Targets:", *targets(runs)]))

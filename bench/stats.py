@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def pct(xs: list[float], q: float) -> float:
     """The sample at quantile q (nearest rank): with few samples, p99 is the slowest one."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def bootstrap(
+    items: Sequence[T], stat: Callable[[list[T]], float], n: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """A 95% interval of stat(items), resampling the items with replacement."""
+    rng = random.Random(seed)
+    values = sorted(stat(rng.choices(items, k=len(items))) for _ in range(n))
+    return values[int(0.025 * n)], values[int(0.975 * n)]
 
 
 @dataclass(frozen=True)
