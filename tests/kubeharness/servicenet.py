@@ -35,7 +35,12 @@ class ServiceNetwork:
             def handle(self) -> None:
                 network._handle(self.request)
 
-        self.server = socketserver.ThreadingUnixStreamServer(str(self.socket_path), Handler)
+        class Server(socketserver.ThreadingUnixStreamServer):
+            # socketserver's default backlog is 5; the API server dials without blocking, so a burst
+            # of webhook calls past it was refused (EAGAIN) and its pods admitted untouched
+            request_queue_size = socket.SOMAXCONN
+
+        self.server = Server(str(self.socket_path), Handler)
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, name="service-network", daemon=True).start()
         return self
