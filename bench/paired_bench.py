@@ -85,14 +85,18 @@ def ttfts(waves: list[Wave]) -> list[float]:
     return [r.ttft for w in waves for r in w.requests]
 
 
+def mean_ttft(waves: list[Wave]) -> float:
+    return statistics.fmean(ttfts(waves))
+
+
 def out_tokens_per_s(waves: list[Wave]) -> float:
     return sum(len(r.output) for w in waves for r in w.requests) / sum(w.seconds for w in waves)
 
 
-def ratio(base: list[Wave], kv: list[Wave], of: Callable[[list[Wave]], float]) -> tuple[float, float, float]:
-    """of(kv) / of(base) over the paired waves: (value, 95% interval) by resampling the pairs."""
-    value = of(kv) / of(base)
-    pairs = list(zip(base, kv, strict=True))
+def ratio(base: list[Wave], arm: list[Wave], of: Callable[[list[Wave]], float]) -> tuple[float, float, float]:
+    """of(arm) / of(base) over the paired waves: (value, 95% interval) by resampling the pairs."""
+    value = of(arm) / of(base)
+    pairs = list(zip(base, arm, strict=True))
     low, high = bootstrap(pairs, lambda ps: of([k for _, k in ps]) / of([b for b, _ in ps]))
     return value, low, high
 
@@ -111,11 +115,9 @@ def _cell(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
 
 
-def wave_ratios(base: list[Wave], kv: list[Wave]) -> list[float]:
+def wave_ratios(base: list[Wave], arm: list[Wave]) -> list[float]:
     """Per pair of waves: the arm's mean TTFT over its twin's."""
-    return [
-        statistics.fmean(ttfts([k])) / statistics.fmean(ttfts([b])) for b, k in zip(base, kv, strict=True)
-    ]
+    return [mean_ttft([k]) / mean_ttft([b]) for b, k in zip(base, arm, strict=True)]
 
 
 HEAD = [
@@ -129,14 +131,13 @@ def row(level: int, what: str, b: list[Wave], k: list[Wave]) -> str:
     """One comparison's ratios, arm `k` over baseline `b`, each with its 95% interval."""
     p50 = lambda ws: statistics.median(ttfts(ws))  # noqa: E731
     p99 = lambda ws: pct(ttfts(ws), 0.99)  # noqa: E731
-    mean = lambda ws: statistics.fmean(ttfts(ws))  # noqa: E731
     per_wave = wave_ratios(b, k)
     low, high = bootstrap(per_wave, statistics.median)
     outputs = lambda ws: [r.output for w in ws for r in w.requests]  # noqa: E731
     same = sum(x == y for x, y in zip(outputs(b), outputs(k), strict=True))
     return (
         f"| {level} | {what} | {len(k)} | {_cell(ratio(b, k, p50))} | {_cell(ratio(b, k, p99))} | "
-        f"{_cell(ratio(b, k, mean))} | {statistics.median(per_wave):.3f} ({low:.3f}-{high:.3f}) | "
+        f"{_cell(ratio(b, k, mean_ttft))} | {statistics.median(per_wave):.3f} ({low:.3f}-{high:.3f}) | "
         f"{_cell(ratio(b, k, out_tokens_per_s))} | {same}/{len(ttfts(k))} |"
     )
 
