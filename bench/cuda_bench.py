@@ -16,6 +16,7 @@ KVPOOL_BENCH_DEVICE=cpu runs a small version on the CPU, to check the bench itse
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import statistics
@@ -183,8 +184,8 @@ def transfer_rates(url: str) -> None:
         _line(f"kvpool save, to committed ({kind})", save, save_ratio)
         _line(f"pinned cudaMemcpyAsync host->device ({kind})", h2d)
         _line(f"kvpool load, to finished ({kind})", load, load_ratio)
-        s = Spread.of(save_step)
-        print(f"| (save, in the step: copies queued + finish_step, ms; {kind}) | {_ms(s)} | - |")
+        in_step_ms = Spread.of(save_step)
+        print(f"| (save, in the step: copies queued + finish_step, ms; {kind}) | {_ms(in_step_ms)} | - |")
     src.shutdown()
     dst.shutdown()
 
@@ -229,8 +230,8 @@ def step_cost(url: str) -> None:
     times: dict[str, list[float]] = {arm: [] for arm in workers}
     lag: list[float] = []
     for r in range(ROUNDS + 1):
-        arms = list(workers) if r % 2 == 0 else list(reversed(workers))
-        for arm in arms:
+        order = list(workers) if r % 2 == 0 else list(reversed(workers))
+        for arm in order:
             w = workers[arm]
             ms = [1e3 * step(w, arm != "no saves") for _ in range(STEPS)]
             t = time.perf_counter()
@@ -309,14 +310,21 @@ def parts() -> None:
 
     for k in (1, 2, 4, 8):
         rows.append(
-            (f"copy + xxh3_64 of {k} x 32 MiB, {k} thread(s) together", _rate(k * n, lambda k=k: stage_in(k)))
+            (
+                f"copy + xxh3_64 of {k} x 32 MiB, {k} thread(s) together",
+                _rate(k * n, functools.partial(stage_in, k)),
+            )
         )
     if DEVICE == "cuda":
         dev = torch.empty(n, dtype=torch.uint8, device="cuda")
         pageable = torch.randint(0, 256, (n,), dtype=torch.uint8)
 
         def h2d(src: torch.Tensor) -> Callable[[], None]:
-            return lambda: (dev.copy_(src, non_blocking=True), torch.cuda.synchronize())
+            def copy() -> None:
+                dev.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+
+            return copy
 
         rows.append(("host->device 32 MiB from pinned (cudaMallocHost)", _rate(n, h2d(bufs[3]))))
         rows.append(("host->device 32 MiB from pageable", _rate(n, h2d(pageable))))

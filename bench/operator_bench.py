@@ -8,6 +8,7 @@ Run: `.venv/bin/python -m bench operator`.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
@@ -45,6 +46,11 @@ def pod(app: str) -> dict:
     }
 
 
+def _review(url: str, app: str) -> object:
+    """One admission review over HTTP of a fresh pod labelled `app`."""
+    return review(url, pod(app), "bench")
+
+
 def main() -> None:
     print(f" {load_note()}")
     crd = yaml.safe_load(CRD_PATH.read_text())
@@ -79,7 +85,7 @@ def main() -> None:
                 ("matched pod (injected, JSON patch returned)", "vllm"),
                 ("unmatched pod (baseline: admitted untouched)", "web"),
             ):
-                p50, p99 = latencies_ms(lambda app=app: review(url, pod(app), "bench"), CALLS)
+                p50, p99 = latencies_ms(functools.partial(_review, url, app), CALLS)
                 print(f"  admission over HTTP, {what:<46} p50 {p50:6.3f} ms  p99 {p99:6.3f} ms")
         finally:
             operator.stop()

@@ -69,7 +69,8 @@ def commit_cost() -> None:
 
 
 def adoption() -> None:
-    adopting, empty = [], []
+    adopting: list[float] = []
+    empty: list[float] = []
     for i in range(5):
         d = Path(tempfile.mkdtemp(dir="/dev/shm"))
         try:

@@ -6,10 +6,13 @@ measured in the same run. Run: `.venv/bin/python -m bench sidecar`.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis
@@ -21,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kvtest import redis_server, start_sidecar
 
 from kvpool_sidecar.arena import Arena
-from kvpool_sidecar.client import SidecarClient, checksum
+from kvpool_sidecar.client import SidecarClient, Slot, checksum
 from kvpool_sidecar.redis_connect import ZeroCopyConnection
 from kvpool_sidecar.redis_tier import RedisTier
 from kvpool_sidecar.store import Store
@@ -45,6 +48,14 @@ def line(what: str, c: Compared) -> None:
     print(f"  {what:<46} {c}")
 
 
+def _reserved(c: SidecarClient, items: list[tuple[str, int]]) -> list[Slot]:
+    """Slots for every item: the bench's arena always has room, so a refusal is a broken run."""
+    slots = c.reserve(items)
+    if None in slots:
+        raise RuntimeError(f"the sidecar reserved {len(slots) - slots.count(None)} of {len(items)} chunks")
+    return [s for s in slots if s is not None]
+
+
 def arena_and_http(c: SidecarClient, size: int, keys: Keys) -> None:
     count = BATCH_BYTES // size
     payloads = [os.urandom(1024) * (size // 1024) for _ in range(count)]
@@ -56,7 +67,7 @@ def arena_and_http(c: SidecarClient, size: int, keys: Keys) -> None:
         batch[:] = keys.take(count)
 
     def save() -> None:
-        slots = c.reserve([(k, size) for k in batch])
+        slots = _reserved(c, [(k, size) for k in batch])
         for s, data in zip(slots, payloads, strict=True):
             arena[s.offset : s.offset + s.length] = data
         c.commit([(s, checksum(d)) for s, d in zip(slots, payloads, strict=True)])
@@ -97,11 +108,11 @@ def arena_and_http(c: SidecarClient, size: int, keys: Keys) -> None:
 
 def lookup_and_control(c: SidecarClient, url: str, arena_dir: str, keys: Keys) -> None:
     batch = keys.take(64)
-    slots = c.reserve([(k, 4096) for k in batch])
+    slots = _reserved(c, [(k, 4096) for k in batch])
     c.commit([(s, checksum(bytes(4096))) for s in slots])  # a fresh arena holds zeros
     for mode in ("http", "socket"):
         cc = SidecarClient(url, timeout=10, shm_path=arena_dir, control=mode)
-        p50, p99 = latencies_ms(lambda cc=cc: cc.lookup(batch), 2000)
+        p50, p99 = latencies_ms(functools.partial(cc.lookup, batch), 2000)
         print(f"  {'lookup 64 keys (all hits) over ' + mode:<44} p50 {p50:.3f} ms  p99 {p99:.3f} ms")
 
         def pin_release(cc: SidecarClient = cc) -> None:
@@ -114,6 +125,11 @@ def lookup_and_control(c: SidecarClient, url: str, arena_dir: str, keys: Keys) -
         cc.close()
 
 
+def _write_each(tier: RedisTier, keys: Iterable[str]) -> None:
+    for k in keys:
+        tier.write(k)
+
+
 def redis_tier(redis_url: str, workdir: Path) -> None:
     """In-process: the tier's own write (SET pieces) and promotion (GET pieces into the arena)."""
     count = 8
@@ -123,7 +139,7 @@ def redis_tier(redis_url: str, workdir: Path) -> None:
     for k, v in chunks.items():
         src.put(k, v)
     plain = redis.Redis.from_url(redis_url)
-    variants = {
+    variants: dict[str, dict[str, Any]] = {
         "py packer+hiredis parser (chosen)": {"connection_class": ZeroCopyConnection},
         "hiredis packer+parser (default)": {},
         "py packer+py parser": {"connection_class": ZeroCopyConnection, "parser_class": _RESP2Parser},
@@ -135,7 +151,7 @@ def redis_tier(redis_url: str, workdir: Path) -> None:
         writer.check_health()
         line(
             f"SET, {name}",
-            compare(nbytes, lambda w=writer: [w.write(k) for k in chunks], setup=plain.flushall),
+            compare(nbytes, functools.partial(_write_each, writer, chunks), setup=plain.flushall),
         )
         dst = Store(Arena(workdir / "b", 512 * MiB))
         reader = RedisTier(dst, (redis_url,))
@@ -156,7 +172,8 @@ def redis_tier(redis_url: str, workdir: Path) -> None:
         line(f"promote, {name}", compare(nbytes, promote, setup=forget))
         for t in (writer, reader):
             for s in t.shards.current:
-                s.client.close()
+                if s.client is not None:
+                    s.client.close()
         dst.arena.close()
     src.arena.close()
 

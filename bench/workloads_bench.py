@@ -18,7 +18,9 @@ bench/results/workloads.json and bench/results/workloads-ttft.png.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import operator
 import socket
 import statistics
 import tempfile
@@ -233,7 +235,7 @@ def report(results: list[ArmResult]) -> list[str]:
                 + "; ".join(
                     f"{arm.name}: "
                     + ", ".join(
-                        f"{statistics.median(_ttfts(arm.samples[wl], lambda x, r=r: x == r)):.3f}"
+                        f"{statistics.median(_ttfts(arm.samples[wl], functools.partial(operator.eq, r))):.3f}"
                         for r in rounds
                     )
                     for arm in results
@@ -292,7 +294,9 @@ def plot(results: list[ArmResult], path: Path) -> None:
     for ax, wl in zip(axes, names, strict=True):
         rounds = sorted({s.turn.round for s in results[0].samples[wl]})
         for k, arm in enumerate(results):
-            ys = [statistics.median(_ttfts(arm.samples[wl], lambda x, r=r: x == r)) for r in rounds]
+            ys = [
+                statistics.median(_ttfts(arm.samples[wl], functools.partial(operator.eq, r))) for r in rounds
+            ]
             if len(rounds) > 1:
                 ax.plot(rounds, ys, marker="o", label=arm.name)
                 ax.set_xticks(rounds)
