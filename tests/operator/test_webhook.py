@@ -228,9 +228,18 @@ def test_a_users_own_connector_is_never_replaced(pools: Cluster) -> None:
 )
 def test_pods_not_asked_for_are_untouched(pools: Cluster, labels: dict, meta: dict, namespace: str) -> None:
     pod = vllm_pod(labels, **meta)
+    reads = limit_reads(pools, namespace)
     result, response = admitted(pools.webhook_url, pod, namespace)
     assert result == pod
     assert "patch" not in response and "warnings" not in response
+    # every pod of a namespace passes the webhook: one no pool claims costs it no API call
+    assert limit_reads(pools, namespace) == reads
+
+
+def limit_reads(cluster: Cluster, namespace: str) -> int:
+    """How many times the operator listed the namespace's LimitRanges or ResourceQuotas so far."""
+    paths = {f"/api/v1/namespaces/{namespace}/{kind}" for kind in ("limitranges", "resourcequotas")}
+    return sum(path in paths for _, path, _, _ in cluster.api.requests())
 
 
 def test_pod_matched_by_two_pools_is_untouched_with_warning_events(pools: Cluster) -> None:

@@ -69,10 +69,7 @@ def decide(
     kvpool cannot configure, or that the sidecar would push over its namespace's `limits`, is
     admitted without the cache, annotated with the reason. `config_maps` are the ConfigMaps its vLLM
     `--config` files come from, as the webhook read them (config_file.config_maps_to_read)."""
-    if opted_out(pod):
-        return Decision(None)
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    claiming = [p for p in pools if p.namespace == namespace and matches(p.selector, labels)]
+    claiming = claimed_by(pod, namespace, pools)
     if not claiming:
         return Decision(None)
     outcome = _configurable(pod, claiming, config_maps or {})
@@ -87,6 +84,14 @@ def decide(
         if unfit is not None:
             return _skip(pod, claiming, Skip(*unfit))
     return Decision(injected, claiming)
+
+
+def claimed_by(pod: Mapping[str, Any], namespace: str, pools: Iterable[Pool]) -> list[Pool]:
+    """The pools whose selector takes the pod (none when the pod opts out)."""
+    if opted_out(pod):
+        return []
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return [p for p in pools if p.namespace == namespace and matches(p.selector, labels)]
 
 
 def _skip(pod: Mapping[str, Any], claiming: list[Pool], why: Skip) -> Decision:

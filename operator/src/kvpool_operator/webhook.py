@@ -15,7 +15,7 @@ import aiohttp
 import kopf
 
 from kvpool_operator.config_file import ConfigMapRead, Unreadable, config_maps_to_read
-from kvpool_operator.injection import NamespaceLimits, decide
+from kvpool_operator.injection import NamespaceLimits, claimed_by, decide
 from kvpool_operator.kube import ApiError, Kube
 from kvpool_operator.pool import Pool
 from kvpool_operator.state import OperatorState
@@ -69,11 +69,12 @@ async def inject(
     pod = copy.deepcopy(dict(body))
     namespace = (pod.get("metadata") or {}).get("namespace") or ""
     pools = list(pools)
+    # every pod of the namespace comes through here: only one a pool claims is worth an API call
     limits, config_maps = (
         await asyncio.gather(
             namespace_limits(memo.kube, namespace), read_config_maps(memo.kube, namespace, pod)
         )
-        if pools
+        if claimed_by(pod, namespace, pools)
         else (None, {})
     )
     decision = decide(pod, namespace, pools, memo.settings, limits, config_maps)
@@ -95,7 +96,7 @@ async def inject(
 
 
 async def namespace_limits(kube: Kube, namespace: str) -> NamespaceLimits | Skip:
-    """The namespace's LimitRanges and ResourceQuotas (two lists, only where a pool lives); when they
+    """The namespace's LimitRanges and ResourceQuotas (two lists, only for a pod a pool claims); when they
     cannot be read, why (a pod whose fit is unknown gets no sidecar rather than a refusal)."""
     try:
         (ranges, _), (quotas, _) = await asyncio.gather(
