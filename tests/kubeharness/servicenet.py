@@ -10,7 +10,9 @@ the Service's DNS name; this only carries the bytes.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import itertools
+import json
 import select
 import socket
 import socketserver
@@ -27,6 +29,10 @@ class ServiceNetwork:
         self.routes: list[tuple[str, str]] = []  # (target, the pod IP it went to)
         self._turn = itertools.count()
         self._open: set[socket.socket] = set()  # the API server keeps its connections alive: see reset()
+        # resolve()'s reads, over one kept-alive connection: a new TLS handshake for each of a call's
+        # two reads cost ~19 ms a webhook call, where kube-proxy forwards from a table in the kernel
+        self._api: http.client.HTTPSConnection | None = None
+        self._api_lock = threading.Lock()
 
     def start(self) -> ServiceNetwork:
         network = self
@@ -48,6 +54,9 @@ class ServiceNetwork:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        with self._api_lock:
+            if self._api is not None:
+                self._api.close()
 
     def egress_config(self) -> str:
         return (
@@ -94,7 +103,7 @@ class ServiceNetwork:
         """<cluster IP>:<port> -> (a ready pod's IP, the target port), or None."""
         host, _, port_text = target.rpartition(":")
         # an API error is not "no such service": asked again before the call fails open
-        answer = self.cp.get("/api/v1/services") or self.cp.get("/api/v1/services")
+        answer = self._get("/api/v1/services") or self._get("/api/v1/services")
         services = (answer or {}).get("items", [])
         for svc in services:
             if svc["spec"].get("clusterIP") != host:
@@ -105,7 +114,7 @@ class ServiceNetwork:
                 return None
             namespace = svc["metadata"]["namespace"]
             query = ",".join(f"{k}={v}" for k, v in selector.items())
-            pods = (self.cp.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={query}") or {}).get(
+            pods = (self._get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={query}") or {}).get(
                 "items", []
             )
             ready = [p for p in pods if _ready(p)]
@@ -117,6 +126,25 @@ class ServiceNetwork:
             self.routes.append((target, pod["status"]["podIP"]))
             return pod["status"]["podIP"], _target_port(pod, ports[0].get("targetPort", ports[0]["port"]))
         return None
+
+    def _get(self, path: str) -> Any:
+        """GET as the admin (as ControlPlane.get: None on any error), reconnecting once if the kept
+        connection broke (an API server restarted, or one that closed it idle)."""
+        with self._api_lock:
+            for _ in range(2):
+                try:
+                    if self._api is None:
+                        port, context = self.cp.apiserver_port, self.cp.ssl_context
+                        self._api = http.client.HTTPSConnection("127.0.0.1", port, context=context, timeout=5)
+                    self._api.request("GET", path)
+                    response = self._api.getresponse()
+                    body = response.read()
+                    return json.loads(body) if response.status == 200 else None
+                except (OSError, http.client.HTTPException, ValueError):
+                    if self._api is not None:
+                        self._api.close()
+                    self._api = None
+            return None
 
 
 def _ready(pod: dict[str, Any]) -> bool:
