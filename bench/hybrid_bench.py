@@ -12,14 +12,13 @@ Run: `.venv/bin/python -m bench hybrid`.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvpool_demo.localrun import ENGINE_ENV, kvpool_connector_spec, sidecar
+from kvpool_demo.localrun import engine_env, kvpool_connector_spec, sidecar
 from kvpool_demo.tinymodel import ModelShape, make_model, random_prompt
 
 # Gemma 2-style: window 128 tokens, 8 layers, every other layer full attention
@@ -73,9 +72,9 @@ def _arm(spec: dict[str, Any]) -> dict[str, Any]:
 def _run(spec: dict[str, Any], d: Path, name: str) -> dict[str, Any]:
     spec_path, out = d / f"{name}.spec.json", d / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, **ENGINE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with (d / f"{name}.log").open("wb") as log:
+    with (d / f"{name}.log").open("wb") as log, engine_env() as env:
         argv = [sys.executable, "-m", "bench.hybrid_bench", str(spec_path), str(out)]
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1200, check=True)
     return json.loads(out.read_text())
 

