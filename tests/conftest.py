@@ -1,10 +1,20 @@
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from kvtest import Proc, RedisServer, redis_server, start_sidecar
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_ipc_dir() -> Iterator[str]:
+    """One directory, removed at the end, for the IPC sockets of every vLLM engine the tests start:
+    vLLM leaves them in /tmp when an engine is stopped or killed, thousands a day here."""
+    with tempfile.TemporaryDirectory(prefix="kvpool-ipc-") as d, pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_RPC_BASE_PATH", d)
+        yield d
 
 
 @pytest.fixture
