@@ -68,16 +68,14 @@ async def inject(
     """
     pod = copy.deepcopy(dict(body))
     namespace = (pod.get("metadata") or {}).get("namespace") or ""
-    pools = list(pools)
     # every pod of the namespace comes through here: only one a pool claims is worth an API call
-    limits, config_maps = (
-        await asyncio.gather(
-            namespace_limits(memo.kube, namespace), read_config_maps(memo.kube, namespace, pod)
-        )
-        if claimed_by(pod, namespace, pools)
-        else (None, {})
+    claiming = claimed_by(pod, namespace, pools)
+    if not claiming:
+        return "NotClaimed"
+    limits, config_maps = await asyncio.gather(
+        namespace_limits(memo.kube, namespace), read_config_maps(memo.kube, namespace, pod)
     )
-    decision = decide(pod, namespace, pools, memo.settings, limits, config_maps)
+    decision = decide(pod, namespace, claiming, memo.settings, limits, config_maps)
     warnings.extend(decision.warnings)
     if decision.pod is not None:
         new = decision.pod
