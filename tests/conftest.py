@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -31,7 +31,7 @@ def sidecar_factory(tmp_path: Path) -> Iterator:
 
     def make(
         capacity: str | int = "64Mi",
-        redis_urls: list[str] = (),
+        redis_urls: Sequence[str] = (),
         *extra: str,
         port: int | None = None,
         env: dict[str, str] | None = None,

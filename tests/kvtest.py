@@ -16,14 +16,16 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 
 
 def need(condition: bool, what: str) -> None:
@@ -58,7 +60,7 @@ def auth_line(arena_dir: Path | str) -> str:
     return "".join(f"{k}: {v}\r\n" for k, v in write_auth(arena_dir).items())
 
 
-def wait_until(condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+def wait_until(condition: Callable[..., T | None], timeout: float = 30.0, what: str = "condition") -> T:
     """Polls `condition` until it returns a truthy value; fails with `what` at the deadline."""
     deadline = time.monotonic() + timeout
     last_error: BaseException | None = None
@@ -142,6 +144,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         binary = shutil.which("redis-server")
         need(binary is not None, "redis-server (apt-get install redis-server)")
+        assert binary is not None
         argv = [
             binary,
             "--port",
@@ -209,6 +212,7 @@ def redis_with(
     """A real redis-server with extra arguments (a password, cluster mode), on `host` (a loopback address)."""
     binary = shutil.which("redis-server")
     need(binary is not None, "redis-server")
+    assert binary is not None
     port = port or free_port()
     with tempfile.TemporaryDirectory(prefix="kvpool-redis-") as d:
         argv = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
@@ -234,7 +238,7 @@ def redis_with(
 
 
 def sidecar_argv(
-    port: int, arena_dir: Path, capacity: str | int, redis_urls: list[str] = (), *extra: str
+    port: int, arena_dir: Path, capacity: str | int, redis_urls: Sequence[str] = (), *extra: str
 ) -> list[str]:
     argv = [
         sys.executable,
@@ -257,7 +261,7 @@ def sidecar_argv(
 def start_sidecar(
     workdir: Path,
     capacity: str | int = "64Mi",
-    redis_urls: list[str] = (),
+    redis_urls: Sequence[str] = (),
     *extra: str,
     port: int | None = None,
     env: dict[str, str] | None = None,

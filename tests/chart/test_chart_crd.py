@@ -27,10 +27,12 @@ def test_packaged_chart_carries_the_source_bytes(helm: Path, tmp_path: Path) -> 
     with tarfile.open(package) as tar:
         member = tar.getmember(f"kvpool/crds/{CRD_SOURCE.name}")
         assert member.isfile(), "helm package must follow the symlink and store the file itself"
-        assert tar.extractfile(member).read() == CRD_SOURCE.read_bytes()
+        assert (stored := tar.extractfile(member)) is not None and stored.read() == CRD_SOURCE.read_bytes()
         others = [m.name for m in tar.getmembers() if m.isfile() and m.name != member.name]
         for name in others:
-            data = tar.extractfile(name).read()
+            f = tar.extractfile(name)
+            assert f is not None
+            data = f.read()
             assert not (b"CustomResourceDefinition" in data and b"KVCachePool" in data), (
                 f"{name} defines the CRD again"
             )

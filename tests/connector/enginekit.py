@@ -101,9 +101,12 @@ class Engine:
     def wait_done(self, label: str, timeout: float = 400) -> dict[str, Any]:
         done = Path(f"{self.out}.{label}.done")
 
+        proc = self.proc
+        assert proc is not None, f"engine {self.name} was never started"
+
         def ready() -> bool:
-            if self.proc.poll() not in (None, 0):
-                raise Gone(f"engine {self.name} exited {self.proc.returncode}:\n{self.tail()}")
+            if proc.poll() not in (None, 0):
+                raise Gone(f"engine {self.name} exited {proc.returncode}:\n{self.tail()}")
             return done.exists()
 
         wait_until(ready, timeout, f"engine {self.name} run {label}")

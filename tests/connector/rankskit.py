@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from schedkit import BS, CHUNK
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -91,7 +92,7 @@ class Ranks:
                     self.caches[r][blocks[p // BS], p % BS] = _digest(r, tokens[p], *before)
             if end >= req.num_tokens:  # the step samples from every rank's KV of its last token
                 last = [self._kv(r, blocks, end - 1) for r in range(self.ranks)]
-                self.logits.setdefault(tuple(req.prompt_token_ids), []).append(_digest(*last))
+                self.logits.setdefault(tuple(req.prompt_token_ids or ()), []).append(_digest(*last))
 
     @staticmethod
     def tokens(req) -> list[int]:
@@ -116,7 +117,7 @@ class Ranks:
             w.start_load(meta)
         self._forward(so)
         self._record_saves(so)
-        outputs = []
+        outputs: list[ModelRunnerOutput | None] = []
         for w in self.workers:
             w.finish_step(meta)
             finished = w.get_finished()
@@ -151,7 +152,8 @@ class Ranks:
         """Steps until every request finished, and their saves too (they run on the workers' save
         threads). lag=1 plays async scheduling: step N+1 is scheduled before step N's output is seen.
         before_execute(so) runs after a step is scheduled (faults)."""
-        outputs, pending = [], deque()
+        outputs: list[SchedulerOutput] = []
+        pending: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests() and not pending:
                 assert all(w.saver.drain(30) for w in self.workers), "saves did not finish"

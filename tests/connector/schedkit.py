@@ -24,13 +24,16 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from kvpool_connector.connector import KVPoolConnector
 from kvpool_connector.keys import chunk_keys, rank_key
+from kvpool_connector.vllm_types import KVPoolMetadata
 from kvpool_sidecar.client import SidecarClient, checksum
 
 BS = 16
@@ -188,13 +191,15 @@ def run_to_end(
     """Steps until nothing is left; returns the scheduler outputs (their connector metadata included).
     `counters` sums the connector's counters as the engine reports them; with `fail_loads` every
     load fails (a worker that can never load what the sidecar offers)."""
-    outputs = []
+    outputs: list[SchedulerOutput] = []
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
             return outputs
         so = scheduler.schedule()
         outputs.append(so)
-        failed = {b for ld in so.kv_connector_metadata.loads for op in ld.chunks for b in op.block_ids}
+        plan = so.kv_connector_metadata
+        assert isinstance(plan, KVPoolMetadata)
+        failed = {b for ld in plan.loads for op in ld.chunks for b in op.block_ids}
         output = model_output(scheduler, so, invalid=failed if fail_loads else None)
         for eco in scheduler.update_from_output(so, output).values():
             stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
@@ -220,7 +225,8 @@ def assert_empty(scheduler: Scheduler) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert not scheduler.connector.scheduler.reqs  # the connector forgot every request
+    assert isinstance(connector := scheduler.connector, KVPoolConnector)
+    assert connector.scheduler is not None and not connector.scheduler.reqs  # it forgot every request
 
 
 def loads_of(outputs: list) -> list:

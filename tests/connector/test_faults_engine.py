@@ -11,6 +11,7 @@ step shapes everywhere: prefill in steps of one chunk, one request at a time).
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def _engine(d: Path, name: str, model: Path, url: str, labels: dict[str, str]) -
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
+def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("faults")
     (d / "redis").mkdir()
     redis = RedisServer(free_port(), d / "redis").start()
@@ -90,6 +91,7 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         middle = chunk_key(prompt_keys(tiny_model, PROMPTS["D"])[4])
         redis_call(redis.port, "DEL", middle)  # and D's fifth chunk, at least, is one of them
         s["evicted"] = b.step("evicted")
+        assert redis.proc is not None
         redis.proc.popen.send_signal(signal.SIGSTOP)  # Redis hangs
         try:
             s["hung"] = b.step("hung")

@@ -89,7 +89,7 @@ def test_a_load_that_fails_on_one_rank_poisons_nothing(tiny_model, sidecar, lag)
     url, client = sidecar
     cold = _cold(tiny_model, url, async_scheduling=bool(lag))
     warm = _engine(tiny_model, url, [TOKENS], async_scheduling=bool(lag))
-    evicted = []
+    evicted: list[str] = []
 
     def evict_rank1_chunk1(so) -> None:
         loads = so.kv_connector_metadata.loads
@@ -115,7 +115,7 @@ def test_a_corrupt_chunk_on_one_rank_is_recomputed_everywhere(tiny_model, sideca
     url, client = sidecar
     cold = _cold(tiny_model, url)
     warm = _engine(tiny_model, url, [TOKENS])
-    corrupted = []
+    corrupted: list[str] = []
 
     def corrupt_rank0_chunk2(so) -> None:
         loads = so.kv_connector_metadata.loads
@@ -140,7 +140,7 @@ def test_a_shared_prefix_loading_for_one_request_is_never_used_by_another(tiny_m
     prompts = [TOKENS, [*TOKENS[: 3 * CHUNK + 5], 9, 9, 9]]
     cold = _cold(tiny_model, url, prompts)
     warm = _engine(tiny_model, url, prompts)
-    evicted = []
+    evicted: list[str] = []
 
     def evict(so) -> None:
         loads = so.kv_connector_metadata.loads

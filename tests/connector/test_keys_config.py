@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -29,7 +30,7 @@ def test_keys_are_chained_hex_and_prefix_stable() -> None:
 def test_namespace_separates_everything_that_changes_bytes() -> None:
     tokens = list(range(128))
     base = chunk_keys(NS, tokens)
-    for field, value in [
+    cases: list[tuple[str, Any]] = [
         ("model", "other"),
         ("dtype", "bfloat16"),
         ("layout", "x"),
@@ -47,7 +48,8 @@ def test_namespace_separates_everything_that_changes_bytes() -> None:
         ("quantization", "fp8"),
         ("weights", "files:0123"),
         ("overrides", '{"rope_theta":5000.0}'),
-    ]:
+    ]
+    for field, value in cases:
         assert chunk_keys(dataclasses.replace(NS, **{field: value}), tokens)[0] != base[0], field
     assert chunk_keys(NS, tokens, rank=1)[0] != base[0]
 
@@ -147,7 +149,7 @@ def test_the_connector_refuses_vllms_default_failure_policy() -> None:
     failed user request: the connector refuses to start with it and says what to set."""
     from vllm.config import KVTransferConfig
 
-    def config(**policy: str) -> KVTransferConfig:
+    def config(**policy: Any) -> KVTransferConfig:
         return KVTransferConfig(kv_connector="KVPoolConnector", kv_role="kv_both", **policy)
 
     check_failure_policy(config(kv_load_failure_policy="recompute"))

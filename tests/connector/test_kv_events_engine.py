@@ -49,7 +49,7 @@ class Subscriber:
                 self.events += decoder.decode(payload).events
 
     def of(self, kind: type, medium: str) -> list[Any]:
-        return [e for e in list(self.events) if isinstance(e, kind) and e.medium == medium]
+        return [e for e in list(self.events) if isinstance(e, kind) and getattr(e, "medium", None) == medium]
 
     def close(self) -> None:
         self._stop.set()

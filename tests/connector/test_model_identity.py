@@ -7,11 +7,12 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from kvpool_connector.model_identity import model_weights_identity
 
 
-def _model(model: str | Path, weights: str = "") -> SimpleNamespace:
+def _model(model: str | Path, weights: str = "") -> Any:
     """The fields of vLLM's ModelConfig the identity reads (model_weights: an object-storage URI)."""
     return SimpleNamespace(model=str(model), revision=None, model_weights=weights)
 

@@ -48,7 +48,7 @@ def namespace(model: Path, pinned: str | None = None, **kw: Any) -> Namespace:
 def test_each_engine_input_changes_the_namespace(tiny_model: Path) -> None:
     base = namespace(tiny_model)
     assert base.weights.startswith("files:") and namespace(tiny_model) == base  # stable
-    variants = {
+    variants: dict[str, dict[str, Any]] = {
         "pp_size": {"parallel": {"pipeline_parallel_size": 2}},
         "dcp_size": {"parallel": {"tensor_parallel_size": 4, "decode_context_parallel_size": 2}},
         "kv_cache_dtype": {"cache_dtype": "fp8_e4m3"},

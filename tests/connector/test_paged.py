@@ -12,6 +12,8 @@ NUM_BLOCKS, HEADS, HEAD = 12, 4, 64
 
 def _cache(layout: str, dtype: torch.dtype, bs: int) -> torch.Tensor:
     """A layer cache in vLLM's logical shape over the named physical order, random bits everywhere."""
+    phys: tuple[int, ...]
+    perm: tuple[int, ...]
     if layout == "LBHNC":  # CPU backend: [B, H, N, C] in memory
         phys = (NUM_BLOCKS, HEADS, bs, 2 * HEAD)
         perm = (0, 1, 2, 3)

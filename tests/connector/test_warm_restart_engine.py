@@ -14,6 +14,7 @@ prefill in steps of one chunk, one request at a time).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def _engine(
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
+def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("warm")
     pod = start_sidecar(d / "pod", "64Mi", [], *POD)
     s: dict[str, Any] = {}

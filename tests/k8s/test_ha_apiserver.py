@@ -98,7 +98,7 @@ def create_and_check_pod(kubelet: LocalKubelet, name: str, pool_name: str) -> se
     line = f"[{WORKLOAD}/{name}] Webhook 'kvpool-inject' succeeded"
     found = wait_until(lambda: {p for p in list(kubelet.ever) if line in kubelet.log(p)}, 10,
                        f"the replica that injected {name} to log it")  # fmt: skip
-    return set(found)  # type: ignore[arg-type]
+    return found
 
 
 def _why_untouched(kubelet: LocalKubelet, pod: dict[str, Any]) -> str:
@@ -118,7 +118,9 @@ def _why_untouched(kubelet: LocalKubelet, pod: dict[str, Any]) -> str:
 def test_exactly_one_replica_reconciles_and_every_replica_injects(kubelet: LocalKubelet) -> None:
     cp = kubelet.cp
     # two replicas started together may both act for a moment, until each has seen the other's entry
-    (leader,) = wait_until(lambda: len(a := acting(kubelet)) == 1 and a, 60, "the peering to settle on one")
+    (leader,) = wait_until(
+        lambda: a if len(a := acting(kubelet)) == 1 else None, 60, "the peering to settle on one"
+    )
     (standby,) = set(kubelet.running) - {leader}
     apply(cp, pool("first"))
     wait_until(lambda: pool_ready(cp, WORKLOAD, "first"), 60, "the pool to be Ready")

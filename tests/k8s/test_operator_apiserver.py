@@ -16,7 +16,7 @@ import json
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,7 +238,7 @@ def container(name: str, image: str = "vllm/vllm-openai:v0.32.0", **fields: Any)
     return {"name": name, "image": image, **fields}
 
 
-VLLM = {"command": ["vllm", "serve"], "args": ["/models/llama"]}
+VLLM: dict[str, Any] = {"command": ["vllm", "serve"], "args": ["/models/llama"]}
 UNCONFIGURABLE = {  # pod -> (the reason counted, what its event says)
     "shell": ("StartedThroughShell", "through a shell"),
     "own-connector": ("OwnConnector", "never replaces a user's connector"),
@@ -410,7 +410,7 @@ def test_a_pod_the_sidecar_would_push_over_a_limit_range_is_admitted_untouched(o
 def test_a_pod_the_sidecar_would_push_over_a_quota_is_admitted_untouched(operator: tuple) -> None:
     cp, _ = operator
     ns = _limited_namespace(cp, "vllm-quota", "ResourceQuota", {"hard": {"requests.memory": "20Gi"}}, "8Gi")
-    memory = {"resources": {"requests": {"memory": "4Gi"}, "limits": {"memory": "4Gi"}}}
+    memory: dict[str, Any] = {"resources": {"requests": {"memory": "4Gi"}, "limits": {"memory": "4Gi"}}}
     apply(cp, bare_pod(ns, "first", container("vllm", **VLLM, **memory)))  # 4Gi and its 8Gi sidecar fit
     assert "kvpool.dev/skipped" not in get_json(cp, "-n", ns, "pod", "first")["metadata"].get(
         "annotations", {}
@@ -447,8 +447,11 @@ def test_sidecar_resources_the_api_server_admits_and_a_guaranteed_pod_stays_guar
     Guaranteed: the API server's own qosClass says so."""
     cp, _ = operator
     ns = namespace(cp, "vllm-qos")
-    sidecar = {"resources": {"limits": {"cpu": "100m"}}, "imagePullSecrets": [{"name": "kvpool-registry"}]}
-    apply(cp, cpu_pool(ns, sidecar=sidecar))
+    pool_sidecar = {
+        "resources": {"limits": {"cpu": "100m"}},
+        "imagePullSecrets": [{"name": "kvpool-registry"}],
+    }
+    apply(cp, cpu_pool(ns, sidecar=pool_sidecar))
     wait_until(lambda: pool_ready(cp, ns, "llama"), 60, "the pool to be Ready")
     guaranteed = {"limits": {"cpu": "4", "memory": "16Gi"}}
     burstable = {"requests": {"cpu": "1", "memory": "4Gi"}}
@@ -589,7 +592,7 @@ def _pod_with_sidecar(
     kept: contextlib.ExitStack,
     workdir: Path,
     ns: str,
-    redis_urls: list[str] = (),
+    redis_urls: Sequence[str] = (),
     *extra: str,
     env: dict[str, str] | None = None,
 ) -> Proc:

@@ -136,6 +136,12 @@ class KubeAPI:
     def get(self, path: str) -> dict[str, Any] | None:
         return self.request("GET", path)
 
+    def read(self, path: str) -> dict[str, Any]:
+        """GET of an object that must exist."""
+        found = self.get(path)
+        assert found is not None, f"{path} not found"
+        return found
+
     def create(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST, with the metadata a real API server would add (kmock adds none)."""
         meta = body.setdefault("metadata", {})

@@ -17,7 +17,7 @@ def review(
     url: str, pod: dict[str, Any], namespace: str, *, dry_run: bool = False, tls: ssl.SSLContext | None = None
 ) -> dict[str, Any]:
     """POSTs an AdmissionReview for creating `pod` (as a ReplicaSet would: no name, no namespace)."""
-    body = {
+    body: dict[str, Any] = {
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
         "request": {

@@ -104,7 +104,7 @@ def test_defaults_apply_before_the_checks() -> None:
 
 def test_a_quota_the_sidecar_would_exceed_leaves_the_pod_untouched() -> None:
     """The review's case: 40Gi of requests.memory, the fifth 8Gi pod fits only without its sidecar."""
-    quota = {
+    quota: dict[str, Any] = {
         "metadata": {"name": "mem"},
         "spec": {"hard": {"requests.memory": "40Gi"}},
         "status": {"hard": {"requests.memory": "40Gi"}, "used": {"requests.memory": "32Gi"}},

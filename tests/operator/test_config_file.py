@@ -74,7 +74,7 @@ def test_a_config_file_kvpool_cannot_read_skips_the_pod_unless_the_pod_vouches()
     secret = {"name": "s", "secret": {"secretName": "vllm"}}
     missing = Unreadable("no ConfigMap vllm-config in namespace ns")
     no_key = {"vllm-config": {"data": {"other": "x"}}}
-    cases = [
+    cases: list[tuple[dict[str, Any], dict[str, Any]]] = [
         (pod(baked), {}),
         (pod(from_secret, secret), {}),
         (pod(MOUNTED, cm_volume()), {"vllm-config": missing}),

@@ -40,7 +40,7 @@ def test_examples_cover_the_four_cases() -> None:
 
 
 def test_problems_the_schema_cannot_see_name_the_field() -> None:
-    cases = {
+    cases: dict[str, dict[str, Any]] = {
         "spec.capacity": {"capacity": "1Mi"},
         "spec.sidecar.resources.limits.memory": {
             "capacity": "4Gi",

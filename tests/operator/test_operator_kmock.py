@@ -72,7 +72,7 @@ def run_pod(
 ) -> dict:
     """A pod as a ReplicaSet would create it: through the webhook, then stored, then (kmock has no
     kubelet) given the status the kubelet would report."""
-    pod = {
+    pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"generateName": "vllm-", "labels": labels, **meta},
@@ -139,7 +139,7 @@ def test_changing_chunk_size_and_priority_updates_config_and_counts_outdated(clu
     )
     extra = json.loads(status["connectorConfig"])["kv_connector_extra_config"]
     assert (extra["chunk_size"], extra["priority_limit"]) == (512, 5)
-    cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))
+    cm = cluster.api.read(core_path(ns, "configmaps", "llama-kvpool"))
     assert cm["data"]["kv-transfer-config.json"] == status["connectorConfig"]
 
     fresh = run_pod(cluster, ns, "ready-2", {"app": "vllm"}, ready=True)  # a replacement gets the new config
@@ -212,14 +212,14 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
     starting = lambda s: condition(s, "Ready").get("reason") == "SharedTierStarting"  # noqa: E731
     wait_status(cluster, ns, "llama", starting, "no shard ready yet")
 
-    secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis"))
+    secret = cluster.api.read(core_path(ns, "secrets", "llama-kvpool-redis"))
     password = secret_value(secret, "password")
     assert len(password) >= 32 and owned_by(secret, pool)
-    key_secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-key"))  # authenticates chunks
+    key_secret = cluster.api.read(core_path(ns, "secrets", "llama-kvpool-key"))  # authenticates chunks
     pool_key = secret_value(key_secret, "pool-key")
     assert len(pool_key) >= 32 and pool_key != password and owned_by(key_secret, pool)
-    service = cluster.api.get(core_path(ns, "services", "llama-kvpool-redis"))
-    sts = cluster.api.get(apps_path(ns, "statefulsets", "llama-kvpool-redis"))
+    service = cluster.api.read(core_path(ns, "services", "llama-kvpool-redis"))
+    sts = cluster.api.read(apps_path(ns, "statefulsets", "llama-kvpool-redis"))
     assert owned_by(service, pool) and owned_by(sts, pool)
     assert service["spec"]["clusterIP"] == "None"
     selector = sts["spec"]["selector"]["matchLabels"]
@@ -234,7 +234,7 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
     assert redis["args"][redis["args"].index("--maxmemory") + 1] == str(int(512 * 2**20 * 0.7))
     assert redis["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "llama-kvpool-redis", "key": "password"}
     assert sts["spec"]["template"]["metadata"]["labels"]["kvpool.dev/inject"] == "false"  # never injected
-    cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))
+    cm = cluster.api.read(core_path(ns, "configmaps", "llama-kvpool"))
     assert cm["data"]["redis-urls"].splitlines() == [
         f"redis://llama-kvpool-redis-{i}.llama-kvpool-redis.shared.svc:6379/0" for i in range(2)
     ]
@@ -248,9 +248,9 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
 
     cluster.api.patch(pool_path(ns, "llama"), {"spec": {"chunkSize": 128}}, new_generation=True)
     wait_status(cluster, ns, "llama", lambda s: s.get("observedGeneration") == 2, "the update handled")
-    secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-redis"))
+    secret = cluster.api.read(core_path(ns, "secrets", "llama-kvpool-redis"))
     assert secret_value(secret, "password") == password  # a generated password is never regenerated
-    key_secret = cluster.api.get(core_path(ns, "secrets", "llama-kvpool-key"))
+    key_secret = cluster.api.read(core_path(ns, "secrets", "llama-kvpool-key"))
     assert secret_value(key_secret, "pool-key") == pool_key
 
     # fewer shards: the sidecars are told before the StatefulSet shrinks
@@ -277,8 +277,8 @@ def test_shared_redis_pool_owns_secret_statefulset_and_service(cluster: Cluster)
 
 def scale_state(cluster: Cluster, ns: str, pool: str = "tier") -> tuple[int, int]:
     """(StatefulSet replicas, shard URLs published to the sidecars)."""
-    sts = cluster.api.get(apps_path(ns, "statefulsets", f"{pool}-kvpool-redis"))
-    cm = cluster.api.get(core_path(ns, "configmaps", f"{pool}-kvpool"))
+    sts = cluster.api.read(apps_path(ns, "statefulsets", f"{pool}-kvpool-redis"))
+    cm = cluster.api.read(core_path(ns, "configmaps", f"{pool}-kvpool"))
     return sts["spec"]["replicas"], len(cm["data"]["redis-urls"].splitlines())
 
 
@@ -470,7 +470,7 @@ def test_external_redis_is_configured_without_reading_its_secret(cluster: Cluste
         },
     )
     wait_status(cluster, ns, "llama", lambda s: condition(s, "Ready").get("status") == "True", "Ready")
-    cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))
+    cm = cluster.api.read(core_path(ns, "configmaps", "llama-kvpool"))
     assert cm["data"]["redis-urls"] == "redis://redis.cache.svc:6379/0\n"
 
 
@@ -566,7 +566,7 @@ def test_deleting_a_pool_completes(cluster: Cluster) -> None:
     ns = "del"
     pool = create_pool(cluster, ns, "llama", {"selector": {"matchLabels": {"app": "vllm"}}})
     wait_status(cluster, ns, "llama", lambda s: s.get("matchedPods") == 0, "a first refresh")
-    cm = cluster.api.get(core_path(ns, "configmaps", "llama-kvpool"))
+    cm = cluster.api.read(core_path(ns, "configmaps", "llama-kvpool"))
     assert owned_by(cm, pool)  # the API server's garbage collector deletes it with the pool (kmock has none)
     cluster.api.delete(pool_path(ns, "llama"))
     _created.remove((ns, "llama"))

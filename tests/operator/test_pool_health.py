@@ -208,7 +208,7 @@ def test_the_breaker_opens_per_image_until_reset_and_new_pods_of_that_image_are_
     assert state is not None and [b["image"] for b in state["images"]] == ["vllm/vllm-openai:v0.32.0"]
     ((reason, message),) = kube.posted
     assert reason == "VLLMFailing" and "crash" in message and "vllm/vllm-openai:v0.32.0" in message
-    obj = {"metadata": {"annotations": {}}, "status": {"vllmFailing": state}}
+    obj: dict[str, Any] = {"metadata": {"annotations": {}}, "status": {"vllmFailing": state}}
     blocked = dataclasses.replace(pool, vllm_failing=vllm_breaker.blocked_images(obj))
     same = decide(vllm_pod("next"), "ns", [blocked], SETTINGS).pod or {}
     assert same["metadata"]["annotations"]["kvpool.dev/skipped"].startswith("VLLMFailing: ")

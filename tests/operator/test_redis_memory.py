@@ -9,6 +9,7 @@ import random
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kvtest import RedisServer, redis_call, redis_server, redis_with, start_sidecar, wait_until
 
@@ -66,8 +67,12 @@ def test_unreachable_shard_is_unknown_and_the_source_reads_shard_pods() -> None:
         redis_call(port, "CONFIG", "SET", "maxmemory", str(64 * 2**20), password=PASSWORD)
         source = redis_info_source(1.0, port)
         pods = [{"status": {"podIP": "127.0.0.1"}}]
-        alone = asyncio.run(source(POOL, pods))
-        assert alone is not None and asyncio.run(source(POOL, [])) is None
+
+        async def ask(shard_pods: list[dict[str, Any]]) -> float | None:
+            return await source(POOL, shard_pods)
+
+        alone = asyncio.run(ask(pods))
+        assert alone is not None and asyncio.run(ask([])) is None
 
 
 def test_a_shard_under_kvpools_write_pattern_stays_under_its_memory_limit(tmp_path: Path) -> None:
@@ -100,6 +105,7 @@ def test_a_shard_under_kvpools_write_pattern_stays_under_its_memory_limit(tmp_pa
             wait_until(lambda: client.stats()["tiers"]["redis"]["queued"] == 0, 60, "the write-behind")
         finally:
             sidecar.stop()
+        assert server.proc is not None
         peak = next(
             int(line.split()[1]) * 1024
             for line in Path(f"/proc/{server.proc.popen.pid}/status").read_text().splitlines()

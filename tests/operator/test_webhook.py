@@ -112,7 +112,7 @@ RESTRICTED = {
     "capabilities": {"drop": ["ALL"]},
     "seccompProfile": {"type": "RuntimeDefault"},
 }
-EXPECTED_SOLO = {
+EXPECTED_SOLO: dict[str, Any] = {
     "apiVersion": "v1",
     "kind": "Pod",
     "metadata": {

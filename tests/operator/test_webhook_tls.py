@@ -29,6 +29,7 @@ def tls_operator(
 ) -> Iterator[tuple[KubeAPI, str, Path]]:
     openssl = shutil.which("openssl")
     need(openssl is not None, "openssl")
+    assert openssl is not None
     d = tmp_path_factory.mktemp("tls")
     subprocess.run(
         [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",

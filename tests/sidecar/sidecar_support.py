@@ -6,8 +6,10 @@ import hashlib
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
+from typing import Any
 
-from kvpool_sidecar.client import SidecarClient, checksum
+from kvpool_sidecar.client import SidecarClient, Slot, checksum
 
 
 def key(i: int, tag: str = "a") -> str:
@@ -18,6 +20,13 @@ def payload(n: int, seed: int) -> bytes:
     """n bytes that differ between seeds everywhere, so a wrong chunk never passes for a right one."""
     block = hashlib.sha256(str(seed).encode()).digest() * 2048
     return (block * (n // len(block) + 1))[:n]
+
+
+def reserved(c: SidecarClient, items: Sequence[tuple[str, int]], **kw: Any) -> list[Slot]:
+    """c.reserve(items) where every reservation must be granted."""
+    slots = c.reserve(items, **kw)
+    assert all(s is not None for s in slots), f"reservations refused: {slots}"
+    return [s for s in slots if s is not None]
 
 
 def save(c: SidecarClient, chunks: dict[str, bytes], priority: int = 0) -> list[str]:

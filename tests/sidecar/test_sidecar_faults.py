@@ -10,7 +10,7 @@ import threading
 import urllib.parse
 
 from kvtest import auth_line, redis_call, redis_with, start_sidecar, wait_until
-from sidecar_support import key, load, payload, redis_stats, save
+from sidecar_support import key, load, payload, redis_stats, reserved, save
 
 from kvpool_sidecar.client import SidecarClient, checksum
 
@@ -28,9 +28,9 @@ def test_a_writer_whose_reservation_expired_never_lands(sidecar_factory) -> None
     proc = sidecar_factory("64Ki", [], "--lease-seconds", "2")  # room for exactly one chunk
     stale, fresh = client(proc), client(proc)
     a, b = payload(CHUNK, 1), payload(CHUNK, 2)
-    (slot_a,) = stale.reserve([(key(1, "stale"), CHUNK)])
+    (slot_a,) = reserved(stale, [(key(1, "stale"), CHUNK)])
     wait_until(lambda: stale.stats()["reservations_expired"] == 1, 10, "the stalled reservation to expire")
-    (slot_b,) = fresh.reserve([(key(2, "fresh"), CHUNK)])
+    (slot_b,) = reserved(fresh, [(key(2, "fresh"), CHUNK)])
     assert (slot_b.offset, slot_b.length) == (slot_a.offset, slot_a.length)  # the same extent
     fresh.arena()[slot_b.offset : slot_b.offset + CHUNK] = b
     assert fresh.commit([(slot_b, checksum(b))]) == [True]
@@ -48,9 +48,9 @@ def test_a_stale_write_before_the_owners_commit_is_caught_too(sidecar_factory) -
     proc = sidecar_factory("64Ki", [], "--lease-seconds", "2")
     stale, fresh = client(proc), client(proc)
     a, b = payload(CHUNK, 3), payload(CHUNK, 4)
-    (slot_a,) = stale.reserve([(key(3, "stale"), CHUNK)])
+    (slot_a,) = reserved(stale, [(key(3, "stale"), CHUNK)])
     wait_until(lambda: stale.stats()["reservations_expired"] == 1, 10, "the stalled reservation to expire")
-    (slot_b,) = fresh.reserve([(key(4, "fresh"), CHUNK)])
+    (slot_b,) = reserved(fresh, [(key(4, "fresh"), CHUNK)])
     fresh.arena()[slot_b.offset : slot_b.offset + CHUNK] = b
     stale.arena()[slot_a.offset : slot_a.offset + CHUNK] = a
     assert fresh.commit([(slot_b, checksum(b))]) == [True]
@@ -88,7 +88,7 @@ def test_a_restart_under_a_client_refuses_its_old_reservations_and_pins(sidecar_
     data = payload(CHUNK, 7)
     save(c, {key(7, "old"): data})
     pinned = c.pin([key(7, "old")])
-    (slot,) = c.reserve([(key(8, "old"), CHUNK)])
+    (slot,) = reserved(c, [(key(8, "old"), CHUNK)])
     arena = c.arena()
     assert arena_epoch(arena) == slot.epoch == pinned.slots[0].epoch
     proc.stop()

@@ -63,6 +63,7 @@ def test_a_lease_released_before_its_pin_pins_nothing() -> None:
     lease = idx.lease("cd" * 16, [])
     assert lease is not None and idx.lease("cd" * 16, []) is None  # a name in use
     e = idx.reserve("a" * 32, 100, 0, set())
+    assert e is not None
     idx.commit(slot_of(e), 1)
     assert idx.pin_into(e, lease) and e.pins == 1
     assert idx.release("cd" * 16) and e.pins == 0
@@ -86,7 +87,9 @@ def test_eviction_takes_the_worst_priority_then_the_least_recent_never_a_pinned_
     for i, k in enumerate(keys):
         e = idx.reserve(k, 1024, 5 if i == 0 else 0, set())
         idx.commit(slot_of(e), i)
-    idx.pin(idx.stored(keys[1]))  # pinned: never evicted
+    pinned = idx.stored(keys[1])
+    assert pinned is not None
+    idx.pin(pinned)  # pinned: never evicted
     assert idx.prefix([keys[2]], touch=True) == 1  # a lookup: keys[2] is now the most recent
     assert idx.reserve("e" * 32, 1024, 0, set()) is not None  # evicts keys[0]: priority 5 goes first
     assert idx.stored(keys[0]) is None

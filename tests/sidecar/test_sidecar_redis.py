@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 from kvtest import RedisServer, free_port, redis_call, redis_with, wait_until
-from sidecar_support import key, load, payload, redis_stats, save
+from sidecar_support import key, load, payload, redis_stats, reserved, save
 
 from kvpool_sidecar.client import SidecarClient, checksum
 from kvpool_sidecar.redis_format import alias_key, alias_value, chunk_key
@@ -47,7 +47,7 @@ def test_redis_stopped_mid_run_then_back_on_the_same_port(sidecar_factory, redis
     wait_until(lambda: redis_stats(c)["written"] == 4, 30, "write-behind before the outage")
 
     redis.stop()
-    _, reason = wait_until(lambda: (r := c.readyz()) and not r[0] and r, 30, "readiness to report Redis down")
+    _, reason = wait_until(lambda: None if (r := c.readyz())[0] else r, 30, "readiness to report Redis down")
     assert "redis" in reason.lower() and str(redis.port) in reason
     # the pod's startup probe asks for the CPU tier only: a Redis outage must not hold vLLM back
     with urllib.request.urlopen(proc.info["url"] + "/readyz?tier=cpu", timeout=5) as r:
@@ -355,7 +355,7 @@ def test_a_block_prefix_saved_on_one_pod_is_found_and_loaded_on_another_through_
     ca, cb = client(a), client(b)
     chunk, first_block, two_blocks = key(1, "doc"), key(1, "doc-1-block"), key(1, "doc-2-blocks")
     data = payload(64 * 1024, 1)
-    slots = ca.reserve([(chunk, len(data))], prefixes={chunk: [first_block, two_blocks]})
+    slots = reserved(ca, [(chunk, len(data))], prefixes={chunk: [first_block, two_blocks]})
     arena = ca.arena()
     arena[slots[0].offset : slots[0].offset + len(data)] = data
     assert ca.commit([(slots[0], checksum(data))]) == [True]

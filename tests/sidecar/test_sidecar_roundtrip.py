@@ -8,7 +8,7 @@ import threading
 
 import pytest
 from kvtest import start_sidecar
-from sidecar_support import key, payload
+from sidecar_support import key, payload, reserved
 
 from kvpool_sidecar.client import SidecarClient, checksum
 from kvpool_sidecar.client_errors import SidecarError
@@ -21,8 +21,7 @@ def test_arena_round_trip_gives_identical_bytes(sidecar_factory) -> None:
         chunks = {key(i): payload(100_000 + i, i) for i in range(8)}
         keys = list(chunks)
         assert c.lookup(keys) == 0
-        slots = c.reserve([(k, len(v)) for k, v in chunks.items()], priority=0)
-        assert all(s is not None for s in slots)
+        slots = reserved(c, [(k, len(v)) for k, v in chunks.items()], priority=0)
         arena = c.arena()
         for s in slots:
             arena[s.offset : s.offset + s.length] = chunks[s.key]
@@ -72,7 +71,7 @@ def test_arena_path_found_through_v1_arena_and_http_control(sidecar_factory, tmp
         info["path"] == str(proc.info["arena_dir"] / "arena")
         and info["size"] == ARENA_HEADER_BYTES + 8 * 2**20
     )
-    (slot,) = c.reserve([(key(5), 1000)])
+    (slot,) = reserved(c, [(key(5), 1000)])
     c.arena()[slot.offset : slot.offset + 1000] = b"x" * 1000
     assert c.commit([(slot, checksum(b"x" * 1000))]) == [True]
     # the HTTP transport of the same operations
@@ -103,7 +102,7 @@ def test_arena_dir_too_deep_for_a_unix_socket_falls_back_to_http_control(tmp_pat
         c = SidecarClient(proc.info["url"], shm_path=str(proc.info["arena_dir"]))
         assert c._json("GET", "/v1/arena")["socket"] is None
         data = payload(5000, 7)
-        (slot,) = c.reserve([(key(9), len(data))])
+        (slot,) = reserved(c, [(key(9), len(data))])
         c.arena()[slot.offset : slot.offset + len(data)] = data
         c.commit([(slot, checksum(data))])
         assert c.lookup([key(9), key(10)]) == 1  # POST /v1/lookup when there is no socket
@@ -162,8 +161,10 @@ def test_many_clients_at_once_threads_and_processes(sidecar_factory) -> None:
     ctx = multiprocessing.get_context("spawn")
     processes = [ctx.Process(target=rank_workload, args=(url, r)) for r in range(3, 6)]
     threads = [threading.Thread(target=thread_rank, args=(r,)) for r in range(3)]
-    for w in (*processes, *threads):
-        w.start()
+    for p in processes:
+        p.start()
+    for t in threads:
+        t.start()
     for t in threads:
         t.join()
     for p in processes:
@@ -195,7 +196,7 @@ def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
     proc = sidecar_factory("8Mi", (), "--keep-arena")
     arena_dir = proc.info["arena_dir"]
     c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(arena_dir))
-    (slot,) = c.reserve([(key(1, "e"), 1000)])
+    (slot,) = reserved(c, [(key(1, "e"), 1000)])
     c.arena()[slot.offset : slot.offset + 1000] = b"1" * 1000
     c.commit([(slot, checksum(b"1" * 1000))])
     inode = os.stat(arena_dir / "arena").st_ino
@@ -206,7 +207,7 @@ def test_client_survives_a_sidecar_restart(sidecar_factory) -> None:
     try:
         assert os.stat(arena_dir / "arena").st_ino == inode  # the same file: mappings stay valid
         assert c.get(key(1, "e")) == b"1" * 1000  # adopted: the journal names it, its checksum holds
-        (slot,) = c.reserve([(key(2, "e"), 1000)])
+        (slot,) = reserved(c, [(key(2, "e"), 1000)])
         c.arena()[slot.offset : slot.offset + 1000] = b"2" * 1000
         assert c.commit([(slot, checksum(b"2" * 1000))]) == [True]
         pinned = c.pin([key(2, "e")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,4 @@ def test_the_status_port_answers_on_ipv4_and_ipv6_alike(sidecar_factory) -> None
     status_port = free_port()
     sidecar_factory("4Mi", [], "--status-port", str(status_port))
     for host in ("127.0.0.1", "[::1]"):
-        wait_until(
-            lambda host=host: http_ok(f"http://{host}:{status_port}/healthz"), 10, f"/healthz on {host}"
-        )
+        wait_until(partial(http_ok, f"http://{host}:{status_port}/healthz"), 10, f"/healthz on {host}")
