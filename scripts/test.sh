@@ -4,6 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
-.venv/bin/mypy  # every package (pyproject.toml [tool.mypy])
+.venv/bin/mypy  # every package, the benches and the tests (pyproject.toml [tool.mypy])
 .venv-vllm-latest/bin/python -m pytest -m vllm_latest -p no:cacheprovider "$@"
 .venv/bin/python -m pytest -m "not vllm_latest and not gpu" --durations=30 "$@"  # the slowest tests: where CI time goes
