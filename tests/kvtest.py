@@ -37,6 +37,14 @@ def need(condition: bool, what: str) -> None:
     pytest.skip(f"needs {what}")
 
 
+def need_tool(name: str, what: str) -> str:
+    """The path of program `name`; skipped without it outside CI, failed in CI (need)."""
+    path = shutil.which(name)
+    need(path is not None, what)
+    assert path is not None  # need() returned: it is there
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,9 +150,7 @@ class RedisServer:
             return False
 
     def start(self) -> RedisServer:
-        binary = shutil.which("redis-server")
-        need(binary is not None, "redis-server (apt-get install redis-server)")
-        assert binary is not None
+        binary = need_tool("redis-server", "redis-server (apt-get install redis-server)")
         argv = [
             binary,
             "--port",
@@ -210,9 +216,7 @@ def redis_with(
     *extra: str, password: str | None = None, port: int | None = None, host: str = "127.0.0.1"
 ) -> Iterator[tuple[int, Proc]]:
     """A real redis-server with extra arguments (a password, cluster mode), on `host` (a loopback address)."""
-    binary = shutil.which("redis-server")
-    need(binary is not None, "redis-server")
-    assert binary is not None
+    binary = need_tool("redis-server", "redis-server")
     port = port or free_port()
     with tempfile.TemporaryDirectory(prefix="kvpool-redis-") as d:
         argv = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import shutil
 import ssl
 import subprocess
 import urllib.error
@@ -18,7 +17,7 @@ import pytest
 from kubeharness.emulator import KubeAPI, MemoryGauge, OperatorThread
 from kubeharness.objects import pool_path, port_open
 from kubeharness.webhooks import review
-from kvtest import free_port, need, wait_until
+from kvtest import free_port, need_tool, wait_until
 
 NS = "tls"
 
@@ -27,9 +26,7 @@ NS = "tls"
 def tls_operator(
     crd: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[KubeAPI, str, Path]]:
-    openssl = shutil.which("openssl")
-    need(openssl is not None, "openssl")
-    assert openssl is not None
+    openssl = need_tool("openssl", "openssl")
     d = tmp_path_factory.mktemp("tls")
     subprocess.run(
         [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
