@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from kvpool_sidecar.wire import checksum, checksum_pieces
+
 from .common import ChunkOp
 from .paged import PagedLayer, host_bytes
 
@@ -112,24 +114,31 @@ class ChunkIO:
         self, chunk: torch.Tensor, staged: torch.Tensor, total: int, first: int, num_blocks: int, group: int
     ) -> int:
         """Writes the chunk whose blocks are rows first.. of a step's pinned buffer into `chunk`; returns
-        the checksum of those private rows, each layer's hashed just before it is copied (cache-hot)."""
+        the checksum of those private rows. Where the group's layers have one page size (a KV cache
+        group has one spec), one strided copy takes all its layers: each torch or xxhash call lets
+        the other copy threads take the GIL, and on the H100 host a copy and a hash per layer made
+        the path slower with every copy thread added (#26)."""
+        members = self.groups[group]
+        pages = {self.layers[i].page_bytes for i in members}
+        if len(pages) == 1:  # the group's layers are rows [layer, total, page] in `staged`
+            page = pages.pop()
+            rows = staged[: len(members) * total * page].view(len(members), total, page)
+            mine = rows[:, first : first + num_blocks]
+            chunk.view(len(members), num_blocks, page).copy_(mine)
+            return checksum_pieces(host_bytes(piece) for piece in mine)
         h = xxhash.xxh3_64()
-        for i in self.groups[group]:
+        for i in members:
             piece = self.rows(staged, total, i)[first : first + num_blocks]
-            h.update(host_bytes(piece))
             self.rows(chunk, num_blocks, i).copy_(piece)
+            h.update(host_bytes(piece))
         return h.intdigest()
 
-    def stage_load(self, chunk: torch.Tensor, bounce: torch.Tensor, num_blocks: int, group: int) -> int:
-        """Copies a chunk from the arena into a private pinned buffer; returns the checksum of the copy
-        (each layer's rows hashed as they land): the bytes the device will get, which no one else can
-        change after the check."""
-        h = xxhash.xxh3_64()
-        for i in self.groups[group]:
-            piece = self.rows(bounce, num_blocks, i)
-            piece.copy_(self.rows(chunk, num_blocks, i))
-            h.update(host_bytes(piece))
-        return h.intdigest()
+    def stage_load(self, chunk: torch.Tensor, bounce: torch.Tensor) -> int:
+        """Copies a chunk from the arena into a private pinned buffer of its size; returns the checksum
+        of the copy: the bytes the device will get, which no one else can change after the check.
+        One copy and one hash, not one per layer (see save_staged)."""
+        bounce.copy_(chunk)
+        return checksum(host_bytes(bounce))
 
     def load_cuda(self, bounce: torch.Tensor, op: ChunkOp, stream: torch.cuda.Stream) -> None:
         """Queues on `stream` one DMA of a verified chunk to the device and the scatter of op's rows

@@ -35,7 +35,7 @@ from .keys import rank_key
 from .ratelimit import RateLimitedLog
 
 IDLE_WAIT_SECONDS = 0.02  # the longest an idle step waits for a load (new requests wait that long)
-STAGED_AHEAD = 8  # CUDA: chunks staged ahead of their DMA (two per copy thread; bounds the pinned memory)
+STAGED_PER_THREAD = 2  # CUDA: chunks staged ahead of their DMA per copy thread (bounds the pinned memory)
 
 
 @dataclass
@@ -61,6 +61,7 @@ class ChunkLoader:
         self.mapping: ArenaMapping | None = None
         self.stream: torch.cuda.Stream | None = None
         self.pool: ThreadPoolExecutor | None = None
+        self.staged_ahead = 0  # CUDA: chunks staged ahead of their DMA
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load", initializer=off_compute_cores)
         self._loading: dict[str, Future[_Loaded]] = {}
         self._finished: set[str] = set()  # loads done, not yet reported
@@ -73,9 +74,11 @@ class ChunkLoader:
         mapping: ArenaMapping,
         stream: torch.cuda.Stream | None,
         pool: ThreadPoolExecutor | None = None,
+        threads: int = 0,
     ) -> None:
-        """pool: CUDA's copy threads, which stage chunks for the DMA."""
+        """pool: CUDA's copy threads (`threads` of them), which stage chunks for the DMA."""
         self.io, self.mapping, self.stream, self.pool = io, mapping, stream, pool
+        self.staged_ahead = STAGED_PER_THREAD * threads
         self._thread.submit(torch.zeros(1).copy_, torch.ones(1)).result()  # started now, not in a request
 
     def start(self, meta: StepPlan) -> bool:
@@ -215,7 +218,7 @@ class ChunkLoader:
         queued in order. Returns only once no thread reads the arena (the caller gives the pin back)."""
         ahead = iter(chunks)
         window: deque[Future[tuple[ChunkOp, torch.Tensor | None]]] = deque(
-            pool.submit(self._stage, op, slot) for op, slot in itertools.islice(ahead, STAGED_AHEAD)
+            pool.submit(self._stage, op, slot) for op, slot in itertools.islice(ahead, self.staged_ahead)
         )
         try:
             while window:
@@ -240,7 +243,7 @@ class ChunkLoader:
         assert self.mapping is not None, "loads start only after the KV caches are registered"
         chunk = self.mapping.slot(slot.epoch, slot.offset, slot.length)
         bounce = self.io.bounce(fitted.chunk_blocks, fitted.group)
-        if self.io.stage_load(chunk, bounce, fitted.chunk_blocks, fitted.group) != slot.checksum:
+        if self.io.stage_load(chunk, bounce) != slot.checksum:
             self._warn.warning("corrupt", "kvpool: chunk %s failed its checksum: dropped", slot.key)
             return fitted, None
         return fitted, bounce

@@ -52,10 +52,6 @@ from .saver import SaveJob, SaveQueue
 
 log = connector_logger(__name__)
 
-# CUDA: threads that copy chunks between the arena and the pinned buffers and hash them, several at
-# once. The CPU bounds the path: on the H100 host copy-then-hash ran 2.75 GB/s on one thread, 11.8 on
-# four, 18.5 on eight, against 54 GB/s of DMA (BENCHMARKS.md, #26); four leave vLLM its cores.
-COPY_THREADS = 4
 # CUDA: pinned bytes the steps' saves may hold while the save thread is behind; past it a step's saves
 # are skipped (a slow sidecar never makes the host pin more).
 MAX_STAGED_BYTES = 2 * 2**30
@@ -124,9 +120,9 @@ class KVPoolWorker:
         if self.io.cuda:
             self._stream = torch.cuda.Stream()
             self._pool = ThreadPoolExecutor(
-                COPY_THREADS, thread_name_prefix="kvpool-copy", initializer=off_compute_cores
+                self.cfg.copy_threads, thread_name_prefix="kvpool-copy", initializer=off_compute_cores
             )
-        self.loader.attach(self.io, self._mapping, self._stream, self._pool)
+        self.loader.attach(self.io, self._mapping, self._stream, self._pool, self.cfg.copy_threads)
         if chunk_blocks:
             self._check_chunk_size(chunk_blocks * self.io.max_block_bytes)
         log.info(
