@@ -7,8 +7,16 @@
 2. What a save adds to a step: a stand-in forward (two MLP matmuls a layer on 2,048 tokens, the step's
    KV written into its blocks, save_layer after each layer, then finish_step and a synchronize, as
    vLLM's step ends) with no saves, with saves on the save thread, and with saves inside the step.
+   Section 1 runs at the default copy_threads and at 4.
 3. The parts' own rates on this machine (hash, host copy, DMA from pinned, pageable and registered
    memory, cudaHostRegister), which bound what the path can reach.
+4. Past the copy threads' CPU: raw pipelines over 16 chunks of an arena in shared memory registered
+   with CUDA, with k hashing threads. load-now / save-now are what the path does (the CPU copies
+   between the arena and a private pinned buffer and hashes that); load-dd DMAs the arena to the
+   device and the device's bytes back to a private pinned buffer, which the CPU only hashes (the
+   checksum still covers the bytes the device holds); save-dd DMAs the device's bytes to the arena
+   and to a private pinned buffer, hashed there; load-arena hashes the arena in place beside its DMA
+   (no private copy: what the checksum covers could change under it).
 
 Needs a CUDA device: `python -m bench cuda` where one is lent; elsewhere it says so and stops.
 KVPOOL_BENCH_DEVICE=cpu runs a small version on the CPU, to check the bench itself.
@@ -16,6 +24,8 @@ KVPOOL_BENCH_DEVICE=cpu runs a small version on the CPU, to check the bench itse
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
 import mmap
 import os
@@ -24,8 +34,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -132,11 +144,13 @@ def _line(what: str, rates: list[float], ratios: list[float] | None = None) -> N
     print(f"| {what} | {r.median:.2f} [{r.low:.2f}-{r.high:.2f}]{extra} |")
 
 
-def transfer_rates(url: str) -> None:
+def transfer_rates(url: str, copy_threads: int | None = None) -> None:
     chunk_bytes = LAYERS * CHUNK_BLOCKS * 2 * BLOCK * KV_HEADS * HEAD * 2
     nbytes = BATCH * chunk_bytes
     num_blocks = 2 * BATCH * CHUNK_BLOCKS
     cfg = KVPoolConfig(sidecar_url=url, chunk_size=CHUNK_TOKENS)
+    if copy_threads is not None:
+        cfg = dataclasses.replace(cfg, copy_threads=copy_threads)
     src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = _layers(num_blocks, 1), _layers(num_blocks, 2)
     src.register_kv_caches(src_layers, chunk_blocks=CHUNK_BLOCKS)
@@ -148,7 +162,7 @@ def transfer_rates(url: str) -> None:
         f"{LAYERS} layers x {KV_HEADS} KV heads x head {HEAD}, bf16, {BLOCK}-token blocks: "
         f"{chunk_bytes / 2**20:.0f} MiB a {CHUNK_TOKENS}-token chunk, {BATCH} chunks "
         f"({nbytes / 2**20:.0f} MiB) a timed save or load; {REPEAT} repetitions after a warm-up, "
-        "each alternating with the memcpy; median [range]"
+        f"each alternating with the memcpy; median [range]; copy_threads {cfg.copy_threads}"
     )
     print("| path | GB/s | ÷ pinned cudaMemcpyAsync, same direction |")
     print("| --- | --- | --- |")
@@ -350,6 +364,147 @@ def parts() -> None:
         print(f"| {what} | {s.median:.2f} [{s.low:.2f}-{s.high:.2f}] |")
 
 
+class _Pipelines:
+    """Section 4's pipelines over N chunks of an arena in shared memory (registered with CUDA)."""
+
+    N = 16
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.size = (4 if SMALL else 32) * 2**20
+        f.truncate(self.N * self.size)
+        self.mmap = mmap.mmap(f.fileno(), self.N * self.size)
+        self.arena = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        self.arena.copy_(torch.randint(0, 256, (self.N * self.size,), dtype=torch.uint8))
+        self.registered = False
+        if DEVICE == "cuda":
+            err = torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
+            self.registered = int(err) == 0
+        self.dev = torch.randint(0, 256, (self.N * self.size,), dtype=torch.uint8, device=DEVICE)
+        self.pinned = [
+            torch.empty(self.size, dtype=torch.uint8, pin_memory=DEVICE == "cuda") for _ in range(self.N)
+        ]
+        self.expect = [checksum(self.chunk(self.arena, i).numpy()) for i in range(self.N)]
+        self.h2d = torch.cuda.Stream() if DEVICE == "cuda" else None
+        self.d2h = torch.cuda.Stream() if DEVICE == "cuda" else None
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
+        del self.arena
+        self.mmap.close()
+
+    def chunk(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        return t[i * self.size : (i + 1) * self.size]
+
+    def _copy(
+        self, stream: torch.cuda.Stream | None, dst: torch.Tensor, src: torch.Tensor
+    ) -> torch.cuda.Event | None:
+        """dst.copy_(src) queued on `stream` (at once on the CPU); the event that marks it done."""
+        if stream is None:
+            dst.copy_(src)
+            return None
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            return stream.record_event()
+
+    def _hashed(self, i: int, after: torch.cuda.Event | None) -> int:
+        if after is not None:
+            after.synchronize()
+        return checksum(self.pinned[i].numpy())
+
+    def load_now(self, pool: ThreadPoolExecutor) -> None:
+        def stage(i: int) -> int:
+            self.pinned[i].copy_(self.chunk(self.arena, i))
+            return checksum(self.pinned[i].numpy())
+
+        futures = [pool.submit(stage, i) for i in range(self.N)]
+        for i, f in enumerate(futures):
+            assert f.result() == self.expect[i]
+            self._copy(self.h2d, self.chunk(self.dev, i), self.pinned[i])
+
+    def load_dd(self, pool: ThreadPoolExecutor) -> None:
+        futures = []
+        for i in range(self.N):
+            landed = self._copy(self.h2d, self.chunk(self.dev, i), self.chunk(self.arena, i))
+            if self.d2h is not None and landed is not None:
+                self.d2h.wait_event(landed)
+            back = self._copy(self.d2h, self.pinned[i], self.chunk(self.dev, i))
+            futures.append(pool.submit(self._hashed, i, back))
+        assert [f.result() for f in futures] == self.expect
+
+    def load_arena(self, pool: ThreadPoolExecutor) -> None:
+        futures = [pool.submit(checksum, self.chunk(self.arena, i).numpy()) for i in range(self.N)]
+        for i in range(self.N):
+            self._copy(self.h2d, self.chunk(self.dev, i), self.chunk(self.arena, i))
+        assert [f.result() for f in futures] == self.expect
+
+    def save_now(self, pool: ThreadPoolExecutor) -> None:
+        def write(i: int, after: torch.cuda.Event | None) -> int:
+            digest = self._hashed(i, after)
+            self.chunk(self.arena, i).copy_(self.pinned[i])
+            return digest
+
+        out = [self._copy(self.d2h, self.pinned[i], self.chunk(self.dev, i)) for i in range(self.N)]
+        concurrent.futures.wait([pool.submit(write, i, e) for i, e in enumerate(out)])
+
+    def save_dd(self, pool: ThreadPoolExecutor) -> None:
+        futures = []
+        for i in range(self.N):
+            self._copy(self.h2d, self.chunk(self.arena, i), self.chunk(self.dev, i))
+            futures.append(
+                pool.submit(self._hashed, i, self._copy(self.d2h, self.pinned[i], self.chunk(self.dev, i)))
+            )
+        concurrent.futures.wait(futures)
+
+    def memcpy(self, to_host: bool) -> Callable[[ThreadPoolExecutor], None]:
+        def run(_: ThreadPoolExecutor) -> None:
+            for i in range(self.N):
+                dev, host = self.chunk(self.dev, i), self.pinned[i]
+                if to_host:
+                    host.copy_(dev, non_blocking=True)
+                else:
+                    dev.copy_(host, non_blocking=True)
+
+        return run
+
+
+def pipelines() -> None:
+    with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+        p = _Pipelines(f)
+        cases: dict[str, Callable[[ThreadPoolExecutor], None]] = {
+            "pinned cudaMemcpyAsync host->device": p.memcpy(False),
+            "load-now (copy + hash on the CPU, then DMA)": p.load_now,
+            "load-dd (DMA in, DMA back, hash on the CPU)": p.load_dd,
+            "load-arena (DMA in, hash the arena in place)": p.load_arena,
+            "pinned cudaMemcpyAsync device->host": p.memcpy(True),
+            "save-now (DMA out, copy + hash on the CPU)": p.save_now,
+            "save-dd (DMA to the arena and back, hash on the CPU)": p.save_dd,
+        }
+        print(
+            f"{p.N} chunks of {p.size >> 20} MiB; arena registered with CUDA: {p.registered}; "
+            f"GB/s, median [range] of {REPEAT} after a warm-up, cases alternating"
+        )
+        print("| pipeline | k hashing threads | GB/s |")
+        print("| --- | --- | --- |")
+        for k in (4, 8):
+            rates: dict[str, list[float]] = {c: [] for c in cases}
+            with ThreadPoolExecutor(k) as pool:
+                for rep in range(REPEAT + 1):
+                    for name, run in cases.items():
+                        _sync()
+                        t = time.perf_counter()
+                        run(pool)
+                        _sync()
+                        if rep:
+                            rates[name].append(p.N * p.size / (time.perf_counter() - t) / GB)
+            for name, xs in rates.items():
+                s = Spread.of(xs)
+                print(f"| {name} | {k} | {s.median:.2f} [{s.low:.2f}-{s.high:.2f}] |")
+        _sync()
+        assert torch.equal(p.chunk(p.arena, 3).to(DEVICE), p.chunk(p.dev, 3)), "save-dd wrote other bytes"
+        p.close()
+
+
 def main() -> None:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("no CUDA device here: run `python -m bench cuda` where a GPU is lent")
@@ -367,7 +522,10 @@ def main() -> None:
         url = stack.enter_context(sidecar(work, capacity="1Gi" if SMALL else "4Gi"))
         print("### 1. Save and load")
         transfer_rates(url)
+        transfer_rates(url, copy_threads=4)
         print("### 2. What a save adds to a step")
         step_cost(url)
     print("### 3. The parts")
     parts()
+    print("### 4. Past the copy threads' CPU: raw pipelines")
+    pipelines()
