@@ -7,7 +7,7 @@
 2. What a save adds to a step: a stand-in forward (two MLP matmuls a layer on 2,048 tokens, the step's
    KV written into its blocks, save_layer after each layer, then finish_step and a synchronize, as
    vLLM's step ends) with no saves, with saves on the save thread, and with saves inside the step.
-   Section 1 runs at the default copy_threads and at 4.
+   Section 1 runs at the default copy_threads (from the CPUs and GPUs here) and at 4.
 3. The parts' own rates on this machine (hash, host copy, DMA from pinned, pageable and registered
    memory, cudaHostRegister), which bound what the path can reach.
 4. Past the copy threads' CPU: raw pipelines over 16 chunks of an arena in shared memory registered
@@ -44,6 +44,7 @@ import torch
 from bench.stats import Spread
 from kvpool_connector.common import ChunkOp, LoadSpec, SaveSpec, StepPlan
 from kvpool_connector.config import KVPoolConfig
+from kvpool_connector.cpu_share import default_copy_threads, usable_cpus
 from kvpool_connector.keys import chain
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_demo.localrun import sidecar
@@ -144,6 +145,13 @@ def _line(what: str, rates: list[float], ratios: list[float] | None = None) -> N
     print(f"| {what} | {r.median:.2f} [{r.low:.2f}-{r.high:.2f}]{extra} |")
 
 
+def _threads(cfg: KVPoolConfig) -> str:
+    if cfg.copy_threads is not None:
+        return str(cfg.copy_threads)
+    gpus = torch.cuda.device_count() if DEVICE == "cuda" else 1
+    return f"{default_copy_threads(gpus)} (the default here: {usable_cpus():g} CPUs, {gpus} GPU(s))"
+
+
 def transfer_rates(url: str, copy_threads: int | None = None) -> None:
     chunk_bytes = LAYERS * CHUNK_BLOCKS * 2 * BLOCK * KV_HEADS * HEAD * 2
     nbytes = BATCH * chunk_bytes
@@ -162,7 +170,7 @@ def transfer_rates(url: str, copy_threads: int | None = None) -> None:
         f"{LAYERS} layers x {KV_HEADS} KV heads x head {HEAD}, bf16, {BLOCK}-token blocks: "
         f"{chunk_bytes / 2**20:.0f} MiB a {CHUNK_TOKENS}-token chunk, {BATCH} chunks "
         f"({nbytes / 2**20:.0f} MiB) a timed save or load; {REPEAT} repetitions after a warm-up, "
-        f"each alternating with the memcpy; median [range]; copy_threads {cfg.copy_threads}"
+        f"each alternating with the memcpy; median [range]; copy_threads {_threads(cfg)}"
     )
     print("| path | GB/s | ÷ pinned cudaMemcpyAsync, same direction |")
     print("| --- | --- | --- |")

@@ -42,8 +42,9 @@ class KVPoolConfig:
     # CUDA: threads that copy chunks between the arena and private pinned buffers and hash them, several
     # chunks at once. The host's CPU bounds the path: on the H100 host loads ran about 10 GB/s on 4
     # threads, 14 on 8, no more on 12 (BENCHMARKS.md, #26). Each takes a core while chunks move, and
-    # stages two chunks of pinned memory ahead of a load: lower it where a GPU has few cores.
-    copy_threads: int = 8
+    # stages two chunks of pinned memory ahead of a load. null: half of this worker's share of the
+    # CPUs its container may use, at most 8 (cpu_share.py).
+    copy_threads: int | None = None
 
 
 # key -> (accepted types, check on the value or None, what a valid value is)
@@ -63,7 +64,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "kv_events_medium": ((str,), bool, "a non-empty string"),
     "async_saves": ((bool,), None, "true or false"),
     "sync_loads": ((bool, type(None)), None, "true, false or null"),
-    "copy_threads": (_INT, lambda v: v > 0, "a positive integer"),
+    "copy_threads": ((int, type(None)), lambda v: v is None or v > 0, "a positive integer or null"),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(KVPoolConfig)}
 

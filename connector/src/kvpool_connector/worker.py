@@ -43,6 +43,7 @@ from .chunk_io import ChunkIO
 from .common import ChunkOp, StepPlan
 from .config import KVPoolConfig, sidecar_client
 from .counters import Counts
+from .cpu_share import default_copy_threads
 from .keys import rank_key
 from .loader import ChunkLoader
 from .logs import connector_logger
@@ -117,22 +118,25 @@ class KVPoolWorker:
         layers = [PagedLayer(t) for _, t in caches]
         self.io = ChunkIO(layers, groups)
         self.layer_index = {name: i for i, (name, _) in enumerate(caches)}
+        threads = 0
         if self.io.cuda:
             self._stream = torch.cuda.Stream()
+            threads = self.cfg.copy_threads or default_copy_threads(torch.cuda.device_count())
             self._pool = ThreadPoolExecutor(
-                self.cfg.copy_threads, thread_name_prefix="kvpool-copy", initializer=off_compute_cores
+                threads, thread_name_prefix="kvpool-copy", initializer=off_compute_cores
             )
-        self.loader.attach(self.io, self._mapping, self._stream, self._pool, self.cfg.copy_threads)
+        self.loader.attach(self.io, self._mapping, self._stream, self._pool, threads)
         if chunk_blocks:
             self._check_chunk_size(chunk_blocks * self.io.max_block_bytes)
         log.info(
-            "kvpool: %d layers, %d bytes per block, %d KV cache group(s), %s copies, device %s, "
+            "kvpool: %d layers, %d bytes per block, %d KV cache group(s), %s copies, device %s%s, "
             "keys of rank %d%s",
             len(layers),
             self.io.max_block_bytes,
             len(self.io.groups),
             "byte-row" if all(layer.dense for layer in layers) else "logical",
             layers[0].device if layers else "-",
+            f" ({threads} copy threads)" if threads else "",
             self.rank,
             "" if self.saves else " (loads only: another TP rank saves the same KV)",
         )
