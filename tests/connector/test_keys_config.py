@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,11 +127,22 @@ def test_load_config_defaults_types_and_unknown_keys() -> None:
         ("sidecar_url", "https://127.0.0.1:7070"),  # the client speaks plain HTTP: refused here, not at start
         ("skip_last_n_tokens", -2),
         ("shm_path", 3),
+        ("copy_threads", 0),
+        ("copy_threads", True),
     ],
 )
 def test_load_config_rejects_wrong_values_naming_the_key(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=key):
         load_config({key: value})
+
+
+def test_every_key_is_in_the_readme_table_and_the_design() -> None:
+    """A user learns the keys from README.md's table; docs/DESIGN.md is the contract between the parts."""
+    root = Path(__file__).resolve().parents[2]
+    readme, design = (root / "README.md").read_text(), (root / "docs" / "DESIGN.md").read_text()
+    for f in dataclasses.fields(KVPoolConfig):
+        assert f"| `{f.name}` |" in readme, f"README.md's table lacks {f.name}"
+        assert f"`{f.name}`" in design, f"docs/DESIGN.md lacks {f.name}"
 
 
 def test_config_module_imports_without_torch_or_vllm() -> None:
