@@ -28,7 +28,11 @@ class ChunkIO:
         self.group_of = {i: g for g, members in enumerate(self.groups) for i in members}
         self._starts: dict[int, int] = {}  # per layer: its first byte in a one-block chunk of its group
         self._block_bytes: list[int] = []  # per group: one block of each of its layers
+        # per group: its layers' one page size (a KV cache group has one spec), or None where they differ
+        self._page: list[int | None] = []
         for members in self.groups:
+            pages = {layers[i].page_bytes for i in members}
+            self._page.append(pages.pop() if len(pages) == 1 else None)
             start = 0
             for i in members:
                 self._starts[i] = start
@@ -118,10 +122,8 @@ class ChunkIO:
         group has one spec), one strided copy takes all its layers: each torch or xxhash call lets
         the other copy threads take the GIL, and on the H100 host a copy and a hash per layer made
         the path slower with every copy thread added (#26)."""
-        members = self.groups[group]
-        pages = {self.layers[i].page_bytes for i in members}
-        if len(pages) == 1:  # the group's layers are rows [layer, total, page] in `staged`
-            page = pages.pop()
+        members, page = self.groups[group], self._page[group]
+        if page is not None:  # the group's layers are rows [layer, total, page] in `staged`
             rows = staged[: len(members) * total * page].view(len(members), total, page)
             mine = rows[:, first : first + num_blocks]
             chunk.view(len(members), num_blocks, page).copy_(mine)
