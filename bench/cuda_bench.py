@@ -44,7 +44,7 @@ import torch
 from bench.stats import Spread
 from kvpool_connector.common import ChunkOp, LoadSpec, SaveSpec, StepPlan
 from kvpool_connector.config import KVPoolConfig
-from kvpool_connector.cpu_share import default_copy_threads, usable_cpus
+from kvpool_connector.cpu_share import usable_cpus
 from kvpool_connector.keys import chain
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_demo.localrun import sidecar
@@ -145,13 +145,6 @@ def _line(what: str, rates: list[float], ratios: list[float] | None = None) -> N
     print(f"| {what} | {r.median:.2f} [{r.low:.2f}-{r.high:.2f}]{extra} |")
 
 
-def _threads(cfg: KVPoolConfig) -> str:
-    if cfg.copy_threads is not None:
-        return str(cfg.copy_threads)
-    gpus = torch.cuda.device_count() if DEVICE == "cuda" else 1
-    return f"{default_copy_threads(gpus)} (the default here: {usable_cpus():g} CPUs, {gpus} GPU(s))"
-
-
 def transfer_rates(url: str, copy_threads: int | None = None) -> None:
     chunk_bytes = LAYERS * CHUNK_BLOCKS * 2 * BLOCK * KV_HEADS * HEAD * 2
     nbytes = BATCH * chunk_bytes
@@ -170,7 +163,12 @@ def transfer_rates(url: str, copy_threads: int | None = None) -> None:
         f"{LAYERS} layers x {KV_HEADS} KV heads x head {HEAD}, bf16, {BLOCK}-token blocks: "
         f"{chunk_bytes / 2**20:.0f} MiB a {CHUNK_TOKENS}-token chunk, {BATCH} chunks "
         f"({nbytes / 2**20:.0f} MiB) a timed save or load; {REPEAT} repetitions after a warm-up, "
-        f"each alternating with the memcpy; median [range]; copy_threads {_threads(cfg)}"
+        f"each alternating with the memcpy; median [range]; copy_threads {src.copy_threads}"
+        + (
+            ""
+            if copy_threads
+            else f" (the default here: {usable_cpus():g} CPUs, {torch.cuda.device_count()} GPU(s))"
+        )
     )
     print("| path | GB/s | ÷ pinned cudaMemcpyAsync, same direction |")
     print("| --- | --- | --- |")

@@ -92,6 +92,7 @@ class KVPoolWorker:
         self._mapping = ArenaMapping(self._arena_path)
         self._stream: torch.cuda.Stream | None = None
         self._pool: ThreadPoolExecutor | None = None  # CUDA: the copy threads
+        self.copy_threads = 0  # CUDA: how many (the config's, or cpu_share's default)
         self._saves: list[_Save] = []  # CUDA: this step's saves, copied out layer by layer
         self._saves_of: StepPlan | None = None  # the step _saves belong to
         self._staged: dict[int, _Staged] = {}  # their pinned copies, by KV cache group
@@ -118,14 +119,13 @@ class KVPoolWorker:
         layers = [PagedLayer(t) for _, t in caches]
         self.io = ChunkIO(layers, groups)
         self.layer_index = {name: i for i, (name, _) in enumerate(caches)}
-        threads = 0
         if self.io.cuda:
             self._stream = torch.cuda.Stream()
-            threads = self.cfg.copy_threads or default_copy_threads(torch.cuda.device_count())
+            self.copy_threads = self.cfg.copy_threads or default_copy_threads(torch.cuda.device_count())
             self._pool = ThreadPoolExecutor(
-                threads, thread_name_prefix="kvpool-copy", initializer=off_compute_cores
+                self.copy_threads, thread_name_prefix="kvpool-copy", initializer=off_compute_cores
             )
-        self.loader.attach(self.io, self._mapping, self._stream, self._pool, threads)
+        self.loader.attach(self.io, self._mapping, self._stream, self._pool, self.copy_threads)
         if chunk_blocks:
             self._check_chunk_size(chunk_blocks * self.io.max_block_bytes)
         log.info(
@@ -136,7 +136,7 @@ class KVPoolWorker:
             len(self.io.groups),
             "byte-row" if all(layer.dense for layer in layers) else "logical",
             layers[0].device if layers else "-",
-            f" ({threads} copy threads)" if threads else "",
+            f" ({self.copy_threads} copy threads)" if self.copy_threads else "",
             self.rank,
             "" if self.saves else " (loads only: another TP rank saves the same KV)",
         )
