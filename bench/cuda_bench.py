@@ -25,6 +25,7 @@ KVPOOL_BENCH_DEVICE=cpu runs a small version on the CPU, to check the bench itse
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import mmap
@@ -33,11 +34,10 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -348,26 +348,43 @@ def parts() -> None:
 
         rows.append(("host->device 32 MiB from pinned (cudaMallocHost)", _rate(n, h2d(bufs[3]))))
         rows.append(("host->device 32 MiB from pageable", _rate(n, h2d(pageable))))
-        with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
-            size = 2**30
-            f.truncate(size)
-            m = mmap.mmap(f.fileno(), size)
-            region = torch.frombuffer(m, dtype=torch.uint8)
-            region.fill_(1)
-            cudart = torch.cuda.cudart()
-            t = time.perf_counter()
-            err = cudart.cudaHostRegister(region.data_ptr(), size, 0)
-            reg_ms = 1e3 * (time.perf_counter() - t)
+        with _shared_memory(2**30) as (region, err, reg_ms):
             print(f"(cudaHostRegister of a 1 GiB shared-memory mapping: {reg_ms:.1f} ms, result {err})")
-            if int(err) == 0:
+            if _registered(err):
                 rows.append(("host->device 32 MiB from a registered mapping", _rate(n, h2d(region[:n]))))
-                cudart.cudaHostUnregister(region.data_ptr())
-            del region
-            m.close()
     print("| part | GB/s, median [range] of 7 |")
     print("| --- | --- |")
     for what, s in rows:
         print(f"| {what} | {s.median:.2f} [{s.low:.2f}-{s.high:.2f}] |")
+
+
+@contextlib.contextmanager
+def _shared_memory(size: int) -> Iterator[tuple[torch.Tensor, object, float]]:
+    """`size` bytes of a file in /dev/shm (where a pod's arena lives), paged in, and on a GPU registered
+    with CUDA for as long as it is used: (the bytes, cudaHostRegister's result or None on the CPU, the
+    milliseconds it took). _registered() says whether it took."""
+    with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
+        f.truncate(size)
+        m = mmap.mmap(f.fileno(), size)
+        region = torch.frombuffer(m, dtype=torch.uint8)
+        region.fill_(1)
+        err, ms = None, 0.0
+        if DEVICE == "cuda":
+            t = time.perf_counter()
+            err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), size, 0)
+            ms = 1e3 * (time.perf_counter() - t)
+        try:
+            yield region, err, ms
+        finally:
+            if _registered(err):
+                torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
+            del region
+            with contextlib.suppress(BufferError):  # the caller's views: the OS unmaps at exit
+                m.close()
+
+
+def _registered(err: object) -> bool:
+    return err is not None and int(err) == 0  # type: ignore[call-overload]  # a cudaError enum
 
 
 class _Pipelines:
@@ -375,16 +392,10 @@ class _Pipelines:
 
     N = 16
 
-    def __init__(self, f: BinaryIO) -> None:
-        self.size = (4 if SMALL else 32) * 2**20
-        f.truncate(self.N * self.size)
-        self.mmap = mmap.mmap(f.fileno(), self.N * self.size)
-        self.arena = torch.frombuffer(self.mmap, dtype=torch.uint8)
+    def __init__(self, arena: torch.Tensor, registered: bool) -> None:
+        self.size = arena.numel() // self.N
+        self.arena, self.registered = arena, registered
         self.arena.copy_(torch.randint(0, 256, (self.N * self.size,), dtype=torch.uint8))
-        self.registered = False
-        if DEVICE == "cuda":
-            err = torch.cuda.cudart().cudaHostRegister(self.arena.data_ptr(), self.arena.numel(), 0)
-            self.registered = int(err) == 0
         self.dev = torch.randint(0, 256, (self.N * self.size,), dtype=torch.uint8, device=DEVICE)
         self.pinned = [
             torch.empty(self.size, dtype=torch.uint8, pin_memory=DEVICE == "cuda") for _ in range(self.N)
@@ -392,12 +403,6 @@ class _Pipelines:
         self.expect = [checksum(self.chunk(self.arena, i).numpy()) for i in range(self.N)]
         self.h2d = torch.cuda.Stream() if DEVICE == "cuda" else None
         self.d2h = torch.cuda.Stream() if DEVICE == "cuda" else None
-
-    def close(self) -> None:
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.arena.data_ptr())
-        del self.arena
-        self.mmap.close()
 
     def chunk(self, t: torch.Tensor, i: int) -> torch.Tensor:
         return t[i * self.size : (i + 1) * self.size]
@@ -475,8 +480,8 @@ class _Pipelines:
 
 
 def pipelines() -> None:
-    with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as f:
-        p = _Pipelines(f)
+    with _shared_memory(_Pipelines.N * (4 if SMALL else 32) * 2**20) as (arena, err, _):
+        p = _Pipelines(arena, _registered(err))
         cases: dict[str, Callable[[ThreadPoolExecutor], None]] = {
             "pinned cudaMemcpyAsync host->device": p.memcpy(False),
             "load-now (copy + hash on the CPU, then DMA)": p.load_now,
@@ -508,7 +513,6 @@ def pipelines() -> None:
                 print(f"| {name} | {k} | {s.median:.2f} [{s.low:.2f}-{s.high:.2f}] |")
         _sync()
         assert torch.equal(p.chunk(p.arena, 3).to(DEVICE), p.chunk(p.dev, 3)), "save-dd wrote other bytes"
-        p.close()
 
 
 def main() -> None:
