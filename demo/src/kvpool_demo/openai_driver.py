@@ -8,7 +8,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from openai import OpenAI
+from openai import OpenAI, Stream
+from openai.types import Completion
 
 from .workloads import Turn
 
@@ -54,12 +55,10 @@ def client(url: str) -> OpenAI:
     return OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
-def send(client: OpenAI, turn: Turn) -> tuple[float, float, list[int]]:
-    """(TTFT, total seconds, output ids) of one streamed completion, temperature 0."""
-    t0 = time.perf_counter()
-    ttft = None
-    ids: list[int] = []
-    stream = client.completions.create(
+def open_stream(client: OpenAI, turn: Turn) -> Stream[Completion]:
+    """Sends `turn` as a streamed completion, temperature 0; returns once the server has answered
+    with the stream's headers, before its first token."""
+    return client.completions.create(
         model="model",
         prompt=turn.prompt,
         max_tokens=turn.max_tokens,
@@ -67,6 +66,12 @@ def send(client: OpenAI, turn: Turn) -> tuple[float, float, list[int]]:
         stream=True,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
+
+
+def read_stream(stream: Stream[Completion], t0: float) -> tuple[float, float, list[int]]:
+    """(TTFT, total seconds, output ids) of an opened stream, both times counted from `t0`."""
+    ttft = None
+    ids: list[int] = []
     for chunk in stream:
         if ttft is None:
             ttft = time.perf_counter() - t0
@@ -74,6 +79,12 @@ def send(client: OpenAI, turn: Turn) -> tuple[float, float, list[int]]:
             ids += (choice.model_extra or {}).get("token_ids") or []
     seconds = time.perf_counter() - t0
     return (seconds if ttft is None else ttft), seconds, ids
+
+
+def send(client: OpenAI, turn: Turn) -> tuple[float, float, list[int]]:
+    """(TTFT, total seconds, output ids) of one streamed completion, temperature 0."""
+    t0 = time.perf_counter()
+    return read_stream(open_stream(client, turn), t0)
 
 
 def drive(
