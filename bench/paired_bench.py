@@ -2,18 +2,20 @@
 gaps its targets name: returning users against the floor (the same engine with KV for everything)
 and unique prompts (no reuse) against vLLM alone, at concurrency 1, 2, 4 and 8.
 
-Lockstep: the turns go out in waves of `concurrency` requests sent at once; each wave goes to both
-servers of a pair, one after the other, the order alternating from wave to wave, so both servers do
-the same work under the same state of the machine. At concurrency 1 a wave is one request. A run of
-whole workloads (bench load) moves 10-45% from run to run on this VM; a wave and its twin a second
-apart do not. Within a wave the engine starts a step with the requests that have arrived, so which
-request is served first is chance: a wave is compared as a whole (its requests' TTFT together), never
-request by request. At concurrency 2 and up a wave's TTFTs fall in two groups (served in the first
-step or after it), and the p50 of such a sample jumps between them: the mean of the TTFTs is
-reported beside it as the steadier figure. Intervals are 95% bootstraps over the pairs of waves.
-The control: two identical vLLM alone servers compared the same way. What separates them is the
-harness's and the machine's (which server a process happens to be), and no claim about kvpool is
-finer than it.
+Lockstep: the turns go out in waves of `concurrency` requests; each wave goes to both servers of a
+pair, one after the other, the order alternating from wave to wave, so both servers do the same work
+under the same state of the machine. A run of whole workloads (bench load) moves 10-45% from run to
+run on this VM; a wave and its twin a second apart do not.
+
+Released waves: a wave is sent to a server whose scheduler is paused (vLLM's /pause in "keep" mode,
+a development endpoint), then released at once (/resume), and its times count from the release. The
+engine starts a step with the requests that have arrived, so without the pause which of a wave's
+requests made the first step was chance, different for the two servers of a pair, and the wave's
+TTFTs jumped between the groups; released, both servers run the wave in the same steps (the "same
+steps" column counts the pairs where they did). Statistics are over whole waves, 95% bootstraps over
+the pairs. The control: two identical vLLM alone servers compared the same way. What separates them
+is the harness's and the machine's (which server a process happens to be), and no claim about kvpool
+is finer than it.
 
 The servers are bench load's (workloads_bench's arms, the same engine sizes); the QA waves hold
 distinct users, every user's previous round in an earlier wave. Temperature 0, token ids compared.
@@ -24,15 +26,20 @@ bench/results/paired.json.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
+import os
+import random
 import statistics
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from unittest import mock
 
 from openai import OpenAI
 
@@ -50,7 +57,7 @@ from bench.load_bench import (
 )
 from bench.stats import bootstrap, load_note, pct
 from bench.workloads_bench import RESULTS, arms
-from kvpool_demo.openai_driver import client
+from kvpool_demo.openai_driver import client, open_stream, read_stream
 from kvpool_demo.tinymodel import BENCH, make_model
 from kvpool_demo.workloads import Turn
 
@@ -59,25 +66,60 @@ RETURNING_WAVES = 24  # at least, per level (at concurrency 1: 64)
 NO_REUSE_WAVES = {1: 160, 2: 24, 4: 24, 8: 24}  # concurrency 1 claims a percent: more waves
 CONTROL_WAVES = {1: 64, 2: 24, 4: 24, 8: 24}
 ALONE_2 = "a second vLLM alone"
+# First tokens further apart than this came from different steps: a step here takes 40 ms (a decode)
+# or more, and the first tokens of one step reach the client within a few ms of each other.
+STEP_GAP_S = 0.02
 
 
 @dataclass
 class Wave:
-    requests: list[Request]
-    seconds: float  # from sending the wave to its last token
+    requests: list[Request]  # TTFT and seconds counted from the wave's release
+    seconds: float  # from the release to the wave's last token
+
+    def steps(self) -> tuple[int, ...]:
+        """How many of the wave's requests got their first token in each of its steps, in order."""
+        firsts = sorted(r.ttft for r in self.requests)
+        sizes = [1]
+        for before, after in itertools.pairwise(firsts):
+            if after - before > STEP_GAP_S:
+                sizes.append(0)
+            sizes[-1] += 1
+        return tuple(sizes)
 
 
-def lockstep(apis: dict[str, list[OpenAI]], turns: list[Turn], concurrency: int) -> dict[str, list[Wave]]:
-    """Sends `turns` in waves of `concurrency` to both arms of `apis`, alternating which goes first."""
-    pair = list(apis)
+def engine_call(url: str, path: str) -> None:
+    """POSTs to one of vLLM's development endpoints (VLLM_SERVER_DEV_MODE)."""
+    with urllib.request.urlopen(urllib.request.Request(url + path, method="POST"), timeout=60) as r:
+        r.read()
+
+
+def released(url: str, apis: list[OpenAI], wave: list[Turn], pool: ThreadPoolExecutor) -> Wave:
+    """Sends `wave` to the server at `url` with its scheduler paused ("keep": requests queue, nothing
+    is scheduled, no cache is cleared), then resumes it, so the wave's first step starts with every
+    request of it that fits and each server of a pair gets the wave in the same steps. A stream
+    opens once the server has taken its request, just before it hands it to the engine; Wave.steps
+    shows the shapes that came of it."""
+    engine_call(url, "/pause?mode=keep&clear_cache=false")
+    try:
+        streams = list(pool.map(open_stream, apis, wave))
+    finally:
+        t0 = time.perf_counter()
+        engine_call(url, "/resume")
+    answers = list(pool.map(lambda s: read_stream(s, t0), streams))
+    requests = [Request(t.user, t.round, len(t.prompt), *a) for t, a in zip(wave, answers, strict=True)]
+    return Wave(requests, max(r.seconds for r in requests))
+
+
+def lockstep(urls: dict[str, str], turns: list[Turn], concurrency: int) -> dict[str, list[Wave]]:
+    """Sends `turns` in waves of `concurrency` to both servers of `urls`, alternating which goes first."""
+    pair = list(urls)
+    apis = {a: [client(urls[a]) for _ in range(concurrency)] for a in pair}
     out: dict[str, list[Wave]] = {a: [] for a in pair}
     with ThreadPoolExecutor(concurrency) as pool:
         for w in range(0, len(turns), concurrency):
             wave = turns[w : w + concurrency]
             for arm in pair if (w // concurrency) % 2 == 0 else pair[::-1]:
-                t0 = time.perf_counter()
-                requests = list(pool.map(request, apis[arm], wave))
-                out[arm].append(Wave(requests, time.perf_counter() - t0))
+                out[arm].append(released(urls[arm], apis[arm], wave, pool))
     return out
 
 
@@ -105,8 +147,7 @@ def compare(
     urls: dict[str, str], base: str, arm: str, turns: list[Turn], level: int, keep: Callable[[Wave], bool]
 ) -> dict[str, list[Wave]]:
     """Waves of `turns` to `base` and `arm`; those `keep` takes, paired by position."""
-    apis = {a: [client(urls[a]) for _ in range(level)] for a in (base, arm)}
-    waves = lockstep(apis, turns, level)
+    waves = lockstep({a: urls[a] for a in (base, arm)}, turns, level)
     kept = [i for i, w in enumerate(waves[base]) if keep(w)]
     return {a: [ws[i] for i in kept] for a, ws in waves.items()}
 
@@ -122,8 +163,8 @@ def wave_ratios(base: list[Wave], arm: list[Wave]) -> list[float]:
 
 HEAD = [
     "| concurrency | workload: arm / baseline | waves | TTFT p50 | TTFT p99 | TTFT mean "
-    "| median of the waves' ratios | out tok/s | same ids |",
-    "| --- " * 9 + "|",
+    "| median of the waves' ratios | out tok/s | same ids | same steps |",
+    "| --- " * 10 + "|",
 ]
 
 
@@ -135,10 +176,11 @@ def row(level: int, what: str, b: list[Wave], k: list[Wave]) -> str:
     low, high = bootstrap(per_wave, statistics.median)
     outputs = lambda ws: [r.output for w in ws for r in w.requests]  # noqa: E731
     same = sum(x == y for x, y in zip(outputs(b), outputs(k), strict=True))
+    same_steps = sum(x.steps() == y.steps() for x, y in zip(b, k, strict=True))
     return (
         f"| {level} | {what} | {len(k)} | {_cell(ratio(b, k, p50))} | {_cell(ratio(b, k, p99))} | "
         f"{_cell(ratio(b, k, mean_ttft))} | {statistics.median(per_wave):.3f} ({low:.3f}-{high:.3f}) | "
-        f"{_cell(ratio(b, k, out_tokens_per_s))} | {same}/{len(ttfts(k))} |"
+        f"{_cell(ratio(b, k, out_tokens_per_s))} | {same}/{len(ttfts(k))} | {same_steps}/{len(k)} |"
     )
 
 
@@ -171,13 +213,48 @@ COMPARISONS = (
 )
 
 
+def through_control(
+    arm: tuple[list[Wave], list[Wave]], control: tuple[list[Wave], list[Wave]]
+) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+    """The arm against the control's second server, both compared with the same first server on
+    prompts of their own, as (baseline, other) waves: the arm's median wave ratio over the control's,
+    and the same of out tok/s, each with a 95% interval that resamples both comparisons' pairs."""
+    rng = random.Random(0)
+    arm_pairs, control_pairs = list(zip(*arm, strict=True)), list(zip(*control, strict=True))
+
+    def ttft(ps: list[tuple[Wave, Wave]]) -> float:
+        return statistics.median(mean_ttft([k]) / mean_ttft([b]) for b, k in ps)
+
+    def tokens(ps: list[tuple[Wave, Wave]]) -> float:
+        return out_tokens_per_s([k for _, k in ps]) / out_tokens_per_s([b for b, _ in ps])
+
+    out = []
+    for stat in (ttft, tokens):
+        draws = sorted(
+            stat(rng.choices(arm_pairs, k=len(arm_pairs)))
+            / stat(rng.choices(control_pairs, k=len(control_pairs)))
+            for _ in range(2000)
+        )
+        out.append((stat(arm_pairs) / stat(control_pairs), draws[50], draws[1949]))
+    return out[0], out[1]
+
+
+CONTROL_HEAD = [
+    "| concurrency | no reuse, through the control: kvpool / a second vLLM alone "
+    "| median of the waves' ratios | out tok/s |",
+    "| --- " * 4 + "|",
+]
+
+
 def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
     every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
     results: dict[int, dict[str, dict[str, list[dict[str, object]]]]] = {}
     lines: list[str] = []
+    controlled: list[str] = []
     with (
+        mock.patch.dict(os.environ, {"VLLM_SERVER_DEV_MODE": "1"}),  # the servers' /pause and /resume
         tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
         contextlib.ExitStack() as stack,
     ):
@@ -190,12 +267,25 @@ def main() -> None:
         print(f"(servers up; {load_note()})", flush=True)
         for level in LEVELS:
             results[level] = {}
+            kept: dict[Comparison, tuple[list[Wave], list[Wave]]] = {}
             for c in COMPARISONS:
                 t0 = time.perf_counter()
                 waves = compare(urls, c.base, c.arm, c.turns(level), level, c.keep)
                 lines.append(row(level, c.name, waves[c.base], waves[c.arm]))
                 print(f"{lines[-1]} [{time.perf_counter() - t0:.0f} s]", flush=True)
                 results[level][c.name] = {a: [asdict(w) for w in ws] for a, ws in waves.items()}
+                kept[c] = (waves[c.base], waves[c.arm])
+            ttft, tokens = through_control(kept[COMPARISONS[1]], kept[COMPARISONS[2]])
+            controlled.append(f"| {level} | {KVPOOL} / {ALONE_2} | {_cell(ttft)} | {_cell(tokens)} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "paired.json").write_text(json.dumps(results))
     print("\n".join(["Wave by wave, arm / baseline (95% intervals):", *HEAD, *lines]))
+    print(
+        "\n".join(
+            [
+                "The two comparisons with vLLM alone taken together (95% intervals):",
+                *CONTROL_HEAD,
+                *controlled,
+            ]
+        )
+    )
