@@ -19,7 +19,7 @@ is finer than it.
 
 The servers are bench load's (workloads_bench's arms, the same engine sizes); the QA waves hold
 distinct users, every user's previous round in an earlier wave. Temperature 0, token ids compared.
-Run: `.venv/bin/python -m bench paired` (about 40 minutes on 2 cores); writes
+Run: `.venv/bin/python -m bench paired` (about 30 minutes on 2 cores); writes
 bench/results/paired.json.
 """
 
