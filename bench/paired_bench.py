@@ -223,7 +223,7 @@ def through_control(
     arm_pairs, control_pairs = list(zip(*arm, strict=True)), list(zip(*control, strict=True))
 
     def ttft(ps: list[tuple[Wave, Wave]]) -> float:
-        return statistics.median(mean_ttft([k]) / mean_ttft([b]) for b, k in ps)
+        return statistics.median(wave_ratios([b for b, _ in ps], [k for _, k in ps]))
 
     def tokens(ps: list[tuple[Wave, Wave]]) -> float:
         return out_tokens_per_s([k for _, k in ps]) / out_tokens_per_s([b for b, _ in ps])
