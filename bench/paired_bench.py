@@ -66,6 +66,7 @@ RETURNING_WAVES = 24  # at least, per level (at concurrency 1: 64)
 NO_REUSE_WAVES = {1: 160, 2: 24, 4: 24, 8: 24}  # concurrency 1 claims a percent: more waves
 CONTROL_WAVES = {1: 64, 2: 24, 4: 24, 8: 24}
 ALONE_2 = "a second vLLM alone"
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # the servers' /pause and /resume
 # First tokens further apart than this came from different steps: a step here takes 40 ms (a decode)
 # or more, and the first tokens of one step reach the client within a few ms of each other.
 STEP_GAP_S = 0.02
@@ -111,14 +112,15 @@ def released(url: str, apis: list[OpenAI], wave: list[Turn], pool: ThreadPoolExe
 
 
 def lockstep(urls: dict[str, str], turns: list[Turn], concurrency: int) -> dict[str, list[Wave]]:
-    """Sends `turns` in waves of `concurrency` to both servers of `urls`, alternating which goes first."""
-    pair = list(urls)
-    apis = {a: [client(urls[a]) for _ in range(concurrency)] for a in pair}
-    out: dict[str, list[Wave]] = {a: [] for a in pair}
+    """Sends `turns` in waves of `concurrency` to every server of `urls`, rotating which goes first
+    (two servers: alternating)."""
+    servers = list(urls)
+    apis = {a: [client(urls[a]) for _ in range(concurrency)] for a in servers}
+    out: dict[str, list[Wave]] = {a: [] for a in servers}
     with ThreadPoolExecutor(concurrency) as pool:
         for w in range(0, len(turns), concurrency):
-            wave = turns[w : w + concurrency]
-            for arm in pair if (w // concurrency) % 2 == 0 else pair[::-1]:
+            wave, first = turns[w : w + concurrency], (w // concurrency) % len(servers)
+            for arm in servers[first:] + servers[:first]:
                 out[arm].append(released(urls[arm], apis[arm], wave, pool))
     return out
 
@@ -254,7 +256,7 @@ def main() -> None:
     lines: list[str] = []
     controlled: list[str] = []
     with (
-        mock.patch.dict(os.environ, {"VLLM_SERVER_DEV_MODE": "1"}),  # the servers' /pause and /resume
+        mock.patch.dict(os.environ, DEV_MODE),
         tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
         contextlib.ExitStack() as stack,
     ):
