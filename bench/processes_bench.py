@@ -1,0 +1,130 @@
+"""kvpool against vLLM alone with no reuse, replicated over server processes (#24's 1% target).
+
+bench paired found that two identical vLLM alone servers of one run differ by 5-7%, more than any
+of its intervals: each arm there is one process, and which process a server happens to be is the
+larger effect. Here the process is the unit of replication. SETS fresh sets of three servers
+(vLLM alone, kvpool, a second vLLM alone), started in an order rotated from set to set; at each
+level the same released waves (bench paired's) go to all three, in an order rotated from wave to
+wave. Per set and level: kvpool's median wave ratio against each of the two vLLM alone servers
+(their geometric mean), and the control, the second vLLM alone against the first. Across the sets:
+the geometric mean of the sets' figures, and a 95% bootstrap interval that resamples the sets.
+
+A possible bias: a server that runs right after kvpool may meet kvpool's saves still running on the
+other core, and with this rotation the second vLLM alone runs right after kvpool twice as often as
+the first. If so, the control reads above 1 and kvpool's ratio below its own cost.
+
+Every server runs on huge pages (HUGE_PAGES, the same in every arm): with 4 KiB pages, which
+physical pages a process got may set how its weights share the caches. In paired-servers.txt huge
+pages made identical servers 4-8% faster at concurrency 4; whether they narrow the spread between
+servers is not settled.
+
+Unique 352-token prompts with 8-token answers, temperature 0, token ids compared.
+Run: `.venv/bin/python -m bench processes` (about 55 minutes on 2 cores); writes
+bench/results/processes.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from unittest import mock
+
+from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, LEVELS, request, unique_prompts
+from bench.paired_bench import ALONE_2, DEV_MODE, Wave, lockstep, out_tokens_per_s, wave_ratios
+from bench.stats import bootstrap, load_note
+from bench.workloads_bench import RESULTS, arms
+from kvpool_demo.localrun import HUGE_PAGES
+from kvpool_demo.openai_driver import client
+from kvpool_demo.tinymodel import BENCH, make_model
+
+SETS = 6  # each arm starts first in two of them
+WAVES = {1: 16, 2: 8, 4: 6, 8: 4}
+SERVERS = (ALONE, KVPOOL, ALONE_2)
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def median_ratio(base: list[Wave], arm: list[Wave]) -> float:
+    return statistics.median(wave_ratios(base, arm))
+
+
+def tokens_ratio(base: list[Wave], arm: list[Wave]) -> float:
+    return out_tokens_per_s(arm) / out_tokens_per_s(base)
+
+
+def set_figures(waves: dict[str, list[Wave]]) -> dict[str, float]:
+    """One set's figures at one level: kvpool against both vLLM alone servers (the geometric mean
+    of its ratios against each), and the control, the second vLLM alone against the first."""
+    a, k, a2 = (waves[s] for s in SERVERS)
+    return {
+        "kvpool TTFT": geomean([median_ratio(a, k), median_ratio(a2, k)]),
+        "control TTFT": median_ratio(a, a2),
+        "kvpool out tok/s": geomean([tokens_ratio(a, k), tokens_ratio(a2, k)]),
+        "control out tok/s": tokens_ratio(a, a2),
+    }
+
+
+def agreement(waves: dict[str, list[Wave]]) -> tuple[int, int, int]:
+    """(requests whose ids all three servers agree on, waves all three ran in the same steps, waves)."""
+    ids = [[r.output for w in waves[s] for r in w.requests] for s in SERVERS]
+    same_ids = sum(len({tuple(x) for x in t}) == 1 for t in zip(*ids, strict=True))
+    steps = zip(*([w.steps() for w in waves[s]] for s in SERVERS), strict=True)
+    return same_ids, sum(len(set(t)) == 1 for t in steps), len(waves[ALONE])
+
+
+def across(sets: list[float]) -> str:
+    low, high = bootstrap(sets, geomean)
+    return f"{geomean(sets):.3f} ({low:.3f}-{high:.3f}) [{', '.join(f'{x:.3f}' for x in sets)}]"
+
+
+def main() -> None:
+    print(f"({load_note()})")
+    model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
+    every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
+    figures: dict[int, list[dict[str, float]]] = {level: [] for level in LEVELS}
+    agreed = {level: [0, 0, 0] for level in LEVELS}  # same ids, same steps, waves
+    results: list[dict[str, object]] = []
+    with mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}):
+        for n in range(SETS):
+            order = SERVERS[n % 3 :] + SERVERS[: n % 3]
+            t0 = time.perf_counter()
+            with (
+                tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
+                contextlib.ExitStack() as stack,
+            ):
+                urls = {}
+                for name in order:
+                    start = every[ALONE if name == ALONE_2 else name][0]
+                    (urls[name],) = stack.enter_context(start(Path(d) / str(SERVERS.index(name))))
+                    request(client(urls[name]), unique_prompts(1, seed=99)[0])  # warm-up
+                print(f"set {n}: started {', '.join(order)} ({load_note()})", flush=True)
+                for level in LEVELS:
+                    turns = unique_prompts(WAVES[level] * level, seed=20_000 + 100 * n + level)
+                    waves = lockstep({s: urls[s] for s in SERVERS}, turns, level)
+                    figures[level].append(set_figures(waves))
+                    counts = agreement(waves)
+                    agreed[level] = [x + y for x, y in zip(agreed[level], counts, strict=True)]
+                    record = {s: [asdict(w) for w in waves[s]] for s in SERVERS}
+                    results.append({"set": n, "level": level, **record})
+                    shown = ", ".join(f"{k} {v:.3f}" for k, v in figures[level][-1].items())
+                    print(f"set {n} c={level}: {shown}; same ids, steps, waves {counts}", flush=True)
+            print(f"set {n}: {time.perf_counter() - t0:.0f} s", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "processes.json").write_text(json.dumps(results))
+    print(f"No reuse over {SETS} sets of fresh servers: geometric mean (95% interval over sets) [each set]")
+    print("| concurrency | figure | across the sets |\n| --- | --- | --- |")
+    for level in LEVELS:
+        for key in figures[level][0]:
+            print(f"| {level} | {key} | {across([f[key] for f in figures[level]])} |")
+        same_ids, same_steps, waves_run = agreed[level]
+        print(f"| {level} | same ids in all three | {same_ids}/{waves_run * level} |")
+        print(f"| {level} | waves all three ran in the same steps | {same_steps}/{waves_run} |")
