@@ -15,7 +15,7 @@ the first. If so, the control reads above 1 and kvpool's ratio below its own cos
 
 Every server runs on huge pages (HUGE_PAGES, the same in every arm): with 4 KiB pages, which
 physical pages a process got may set how its weights share the caches. In paired-servers.txt huge
-pages made identical servers 4-8% faster at concurrency 4; whether they narrow the spread between
+pages made identical servers about 5% faster at concurrency 4; whether they narrow the spread between
 servers is not settled.
 
 Unique 352-token prompts with 8-token answers, temperature 0, token ids compared.
