@@ -35,7 +35,7 @@ import statistics
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -56,7 +56,7 @@ from bench.load_bench import (
     unique_prompts,
 )
 from bench.stats import bootstrap, load_note, pct
-from bench.workloads_bench import RESULTS, arms
+from bench.workloads_bench import RESULTS, Servers, arms
 from kvpool_demo.openai_driver import client, open_stream, read_stream
 from kvpool_demo.tinymodel import BENCH, make_model
 from kvpool_demo.workloads import Turn
@@ -248,6 +248,21 @@ CONTROL_HEAD = [
 ]
 
 
+def start_servers(
+    every: Mapping[str, tuple[Servers, object]],
+    names: tuple[str, ...],
+    work: Path,
+    stack: contextlib.ExitStack,
+) -> dict[str, str]:
+    """Starts the servers `names` in that order (ALONE_2: another vLLM alone) under `stack`, each in a
+    directory of its own below `work` and warmed with one request; their URLs."""
+    urls = {}
+    for i, name in enumerate(names):
+        (urls[name],) = stack.enter_context(every[ALONE if name == ALONE_2 else name][0](work / f"arm{i}"))
+        request(client(urls[name]), unique_prompts(1, seed=99)[0])  # warm-up
+    return urls
+
+
 def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
@@ -260,12 +275,7 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
         contextlib.ExitStack() as stack,
     ):
-        urls = {}
-        for i, name in enumerate((ALONE, FLOOR, KVPOOL, ALONE_2)):
-            (urls[name],) = stack.enter_context(
-                every[ALONE if name == ALONE_2 else name][0](Path(d) / f"arm{i}")
-            )
-            request(client(urls[name]), unique_prompts(1, seed=99)[0])  # warm-up
+        urls = start_servers(every, (ALONE, FLOOR, KVPOOL, ALONE_2), Path(d), stack)
         print(f"(servers up; {load_note()})", flush=True)
         for level in LEVELS:
             results[level] = {}

@@ -36,12 +36,11 @@ from dataclasses import asdict
 from pathlib import Path
 from unittest import mock
 
-from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, LEVELS, request, unique_prompts
-from bench.paired_bench import ALONE_2, DEV_MODE, Wave, lockstep, out_tokens_per_s, wave_ratios
+from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, LEVELS, unique_prompts
+from bench.paired_bench import ALONE_2, DEV_MODE, Wave, lockstep, out_tokens_per_s, start_servers, wave_ratios
 from bench.stats import bootstrap, load_note
 from bench.workloads_bench import RESULTS, arms
 from kvpool_demo.localrun import HUGE_PAGES
-from kvpool_demo.openai_driver import client
 from kvpool_demo.tinymodel import BENCH, make_model
 
 SETS = 6  # each arm starts first in two of them
@@ -101,11 +100,7 @@ def main() -> None:
                 tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
                 contextlib.ExitStack() as stack,
             ):
-                urls = {}
-                for name in order:
-                    start = every[ALONE if name == ALONE_2 else name][0]
-                    (urls[name],) = stack.enter_context(start(Path(d) / str(SERVERS.index(name))))
-                    request(client(urls[name]), unique_prompts(1, seed=99)[0])  # warm-up
+                urls = start_servers(every, order, Path(d), stack)
                 print(f"set {n}: started {', '.join(order)} ({load_note()})", flush=True)
                 for level in LEVELS:
                     turns = unique_prompts(WAVES[level] * level, seed=20_000 + 100 * n + level)
