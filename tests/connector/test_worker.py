@@ -13,6 +13,7 @@ from kvpool_connector.breaker import BREAKER_SECONDS, Breaker
 from kvpool_connector.common import ChunkOp, LoadSpec, SaveSpec, StepPlan
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import rank_key
+from kvpool_connector.saver import FENCE_SECONDS
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_sidecar.client import SidecarClient
 
@@ -127,6 +128,7 @@ def test_a_step_reusing_blocks_waits_for_their_saves_and_a_hung_sidecars_saves_a
     assert src.saver.drain(30)
     stats = src.take_stats() or {}
     assert (stats["saved_chunks"], stats["save_fenced_chunks"]) == (1, 1)
+    assert stats["save_fence_seconds"] >= FENCE_SECONDS  # the hung sidecar's wait, on the step
     client = SidecarClient(proc.info["url"], timeout=5)
     assert client.lookup([rank_key(dropped.link, 0)]) == 0
     assert client.stats()["reserved_chunks"] == 0  # its reservation was given back

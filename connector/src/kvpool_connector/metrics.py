@@ -43,6 +43,7 @@ STATS = (
     Stat("saved_bytes", "Bytes saved into the kvpool sidecar"),
     Stat("save_seconds", "Seconds the save thread spent saving chunks (per step, summed; off the step)"),
     Stat("save_fenced_chunks", "Chunks not saved: vLLM reused their blocks before a slow sidecar took them"),
+    Stat("save_fence_seconds", "Seconds vLLM's steps waited, before running, for saves of blocks they reuse"),
     Stat("save_skipped_chunks", "Chunks not saved: stored already, no room, or the sidecar unreachable"),
     Stat("save_refused_chunks", "Chunk commits the sidecar refused (the reservation had expired)"),
     Stat("sidecar_errors", "Failed calls from vLLM's workers to the kvpool sidecar"),

@@ -286,7 +286,9 @@ class KVPoolWorker:
         """Before a step that reuses blocks (handle_preemptions): no save of a step <= meta.fence reads
         them any more. Saves a slow sidecar kept from copying in time are dropped: a future miss."""
         if meta.fence:
+            t0 = time.perf_counter()
             fenced = self.saver.fence(meta.fence)
+            self.stats.add("save_fence_seconds", time.perf_counter() - t0)  # the saves' cost on the step
             if fenced:
                 self.stats.add("save_fenced_chunks", sum(len(job.saves) for job in fenced))
 
