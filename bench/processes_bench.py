@@ -9,9 +9,10 @@ wave. Per set and level: kvpool's median wave ratio against each of the two vLLM
 (their geometric mean), and the control, the second vLLM alone against the first. Across the sets:
 the geometric mean of the sets' figures, and a 95% bootstrap interval that resamples the sets.
 
-A possible bias: a server that runs right after kvpool may meet kvpool's saves still running on the
-other core, and with this rotation the second vLLM alone runs right after kvpool twice as often as
-the first. If so, the control reads above 1 and kvpool's ratio below its own cost.
+A server that runs right after kvpool may meet kvpool's saves still running on the other core. Set n
+starts its servers, and rotates its waves, in the n-th of the six orders of the three: within a set
+one vLLM alone follows kvpool twice as often as the other, and over six sets each does equally often
+(stop 46's run rotated one order, so the second vLLM alone followed kvpool in two waves of three).
 
 Every server runs on huge pages (HUGE_PAGES, the same in every arm): with 4 KiB pages, which
 physical pages a process got may set how its weights share the caches. In paired-servers.txt huge
@@ -26,6 +27,7 @@ bench/results/processes.json.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -43,9 +45,10 @@ from bench.workloads_bench import RESULTS, arms
 from kvpool_demo.localrun import HUGE_PAGES
 from kvpool_demo.tinymodel import BENCH, make_model
 
-SETS = 6  # each arm starts first in two of them
 WAVES = {1: 16, 2: 8, 4: 6, 8: 4}
 SERVERS = (ALONE, KVPOOL, ALONE_2)
+ORDERS = list(itertools.permutations(SERVERS))  # set n's: each server starts first, and follows kvpool, alike
+SETS = len(ORDERS)
 
 
 def geomean(xs: list[float]) -> float:
@@ -94,7 +97,7 @@ def main() -> None:
     results: list[dict[str, object]] = []
     with mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}):
         for n in range(SETS):
-            order = SERVERS[n % 3 :] + SERVERS[: n % 3]
+            order = ORDERS[n % len(ORDERS)]
             t0 = time.perf_counter()
             with (
                 tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
@@ -104,7 +107,7 @@ def main() -> None:
                 print(f"set {n}: started {', '.join(order)} ({load_note()})", flush=True)
                 for level in LEVELS:
                     turns = unique_prompts(WAVES[level] * level, seed=20_000 + 100 * n + level)
-                    waves = lockstep({s: urls[s] for s in SERVERS}, turns, level)
+                    waves = lockstep({s: urls[s] for s in order}, turns, level)
                     figures[level].append(set_figures(waves))
                     counts = agreement(waves)
                     agreed[level] = [x + y for x, y in zip(agreed[level], counts, strict=True)]
