@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The real node's images (tests/node/images.sh, cached outside the work tree) build in the background,
-# niced, while the checks and the first tests run: from a cold cache that is 8-15 minutes, most of it
+# niced, while the checks and the first tests run: from a cold cache that is 8-17 minutes, most of it
 # vLLM's image. The e2e set-up then finds them built, or waits on the same lock (and builds them again,
 # showing why, if this build failed).
 images_log=$(mktemp -t kvpool-images.XXXX.log)
