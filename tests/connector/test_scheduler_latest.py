@@ -195,12 +195,44 @@ def test_a_longer_next_round_reuses_the_saved_tail_block_by_block(tiny_model, si
     save_like_a_worker(client, run_to_end(s))
     round2 = round1 + prompt(40, 6)  # 130 tokens: [64,96) is a full chunk now, with another key
     s.add_request(make_request(round2))
-    outputs = run_to_end(s)
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters)
     assert first_computed(outputs) == 80  # not 64: the tail's block came back too
+    # vLLM computed none of it, so the lookup guessed a miss at chunk 0 and asked again for the tails
+    assert (counters["lookups"], counters.get("tail_lookups", 0)) == (1, 1)
     (load,) = loads_of(outputs)
     assert [(op.chunk_blocks, len(op.block_ids)) for op in load.chunks] == [(2, 2), (2, 2), (1, 1)]
     saved = [(op.first_block, op.chunk_blocks) for sv in saves_of(outputs) for op in sv.chunks]
     assert saved == [(0, 2), (0, 2)]  # [64,96) whole and the new tail [96,128): chunking stays
+    assert_empty(s)
+
+
+def test_a_miss_takes_one_round_trip_with_its_tails_and_a_next_round_vllm_cached_too(
+    tiny_model, sidecar
+) -> None:
+    """A lookup asks in the same round trip for the shorter tails of the chunk where the prompt most
+    likely misses: the first vLLM has not computed. Before, every miss was two round trips."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url, prefix_caching=True)
+    round1 = prompt(90, 60)  # nothing stored: chunks [0,32) [32,64) and the tail [64,80) are saved
+    s.add_request(make_request(round1))
+    counters: dict = {}
+    save_like_a_worker(client, run_to_end(s, counters=counters))
+    assert (counters["lookups"], counters.get("tail_lookups", 0)) == (1, 0)
+    # the next round: vLLM has [0,80) cached itself; kvpool is asked from the chunk [64,96) on
+    s.add_request(make_request(round1 + prompt(40, 61)))
+    counters.clear()
+    outputs = run_to_end(s, counters=counters)
+    assert first_computed(outputs) == 80 and not loads_of(outputs)
+    assert (counters["lookups"], counters.get("tail_lookups", 0)) == (1, 0)
+    # a prompt sharing round 1's first block only, on an engine that has none of it: the block prefix
+    # of chunk [0,32) is found in the same round trip
+    s = make_scheduler(tiny_model, url)
+    s.add_request(make_request(round1[:16] + prompt(60, 62)))
+    counters.clear()
+    outputs = run_to_end(s, counters=counters)
+    assert first_computed(outputs) == 16
+    assert (counters["lookups"], counters.get("tail_lookups", 0)) == (1, 0)
     assert_empty(s)
 
 

@@ -238,12 +238,23 @@ def test_first_whole_group_found_in_the_cpu_tier_or_through_redis(sidecar_factor
     for c in (ca, cb):  # a from its arena, b through Redis
         assert c.first_whole([[missing], [k0, missing], [k1, k2], [k0]]) == 2
         assert c.first_whole([[missing], [k2, missing]]) is None
+        # a lookup and the groups of where it may miss, in one round trip: asked when found is `at`
+        assert c.lookup_then_first_whole([k0, missing, k1], 1, [[missing], [k1]]) == (1, 1)
+        assert c.lookup_then_first_whole([k0, missing], 0, [[k1]]) == (1, None)
     assert ca.first_whole([]) is None
-    # over HTTP too: the lookup's alternatives are only tried when every key was found
-    body = json.dumps({"keys": [missing], "alternatives": [[k0]]}).encode()
-    req = urllib.request.Request(a.info["url"] + "/v1/lookup", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        assert json.loads(r.read()) == {"hits": 0, "alternative": None}
+
+    def over_http(body: dict) -> dict:
+        data = json.dumps(body).encode()
+        req = urllib.request.Request(a.info["url"] + "/v1/lookup", data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    # the lookup's alternatives are tried when every key was found, or `alternatives_at` were
+    assert over_http({"keys": [missing], "alternatives": [[k0]]}) == {"hits": 0, "alternative": None}
+    assert over_http({"keys": [missing], "alternatives": [[k0]], "alternatives_at": 0}) == {
+        "hits": 0,
+        "alternative": 0,
+    }
 
 
 def test_a_lookup_through_redis_counts_as_a_use_of_the_chunk(sidecar_factory, redis) -> None:

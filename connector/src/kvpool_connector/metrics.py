@@ -25,7 +25,12 @@ class Stat:
 
 
 STATS = (
-    Stat("lookups", "Lookup round trips from vLLM's scheduler to the kvpool sidecar"),
+    Stat("lookups", "Lookups from vLLM's scheduler to the kvpool sidecar (one round trip each)"),
+    Stat(
+        "tail_lookups",
+        "Second round trips of lookups: a missed chunk's shorter tails, asked again where the first "
+        "round trip guessed another miss (or where windowed layers need their own keys)",
+    ),
     Stat("lookup_errors", "Lookups that failed or timed out (counted as misses)"),
     Stat("lookups_skipped", "Lookups not asked while the lookup breaker was open (counted as misses)"),
     Stat("lookups_deferred", "Lookups put off a step: this engine's save of a chunk they need was running"),

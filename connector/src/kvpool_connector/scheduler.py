@@ -215,19 +215,31 @@ class KVPoolScheduler:
         # chunk by chunk, every prefix group's and rank's key: the prefix found, in whole chunks, is
         # what all of them have
         keys = [k for link in links for k in self._prefix_keys(link)]
+        per_chunk = self.ranks * len(self._prefix_groups)
         self.stats.add("lookups")
         try:
-            hits = self.client.lookup(keys) // (self.ranks * len(self._prefix_groups))
-            hits = max(0, min(hits, len(spans)))
-            if self.events is not None and hits < len(spans):  # an announced chunk may be gone
-                self.events.gone(links[hits], self._prefix_groups)
             if self.full_groups and self.windowed_groups:
+                hits = self._hits(self.client.lookup(keys), per_chunk, links)
                 hit_spans = self._windowed_hit(st, spans, hits, num_computed_tokens, limit)
             else:
+                # A miss's shorter tails are asked in the same round trip, for the chunk the prompt
+                # most likely misses at: the first one vLLM has not computed itself (all of a prompt
+                # with no reuse). A miss elsewhere asks for its tails again.
+                guess = next(i for i, s in enumerate(spans) if s[1] > num_computed_tokens)
+                tails = self._tails(spans[guess], num_computed_tokens, limit)
+                tail_links = self._links(st, tails) or []
+                found_keys, found = self.client.lookup_then_first_whole(
+                    keys, guess * per_chunk, [self._prefix_keys(link) for link in tail_links]
+                )
+                hits = self._hits(found_keys, per_chunk, links)
                 hit_spans = spans[:hits]
-                if hits < len(spans) and (
-                    tail := self._saved_tail(st, spans[hits], num_computed_tokens, limit)
-                ):
+                if found_keys == guess * per_chunk:
+                    tail = None if found is None else tails[found]
+                elif hits < len(spans):
+                    tail = self._saved_tail(st, spans[hits], num_computed_tokens, limit)
+                else:
+                    tail = None
+                if tail:
                     hit_spans.append(tail)
         except SidecarTimeout as e:
             self.stats.add("lookup_errors")
@@ -246,6 +258,13 @@ class KVPoolScheduler:
         # chunks and vLLM has taken back the blocks that failed; in the step, vLLM drops the step's
         # output of every request over a failed block and recomputes from it (loader.py).
         return end - num_computed_tokens, not self.sync_loads
+
+    def _hits(self, found_keys: int, per_chunk: int, links: list[bytes]) -> int:
+        """Whole chunks found, from the keys found (each chunk is `per_chunk` keys)."""
+        hits = max(0, min(found_keys // per_chunk, len(links)))
+        if self.events is not None and hits < len(links):  # an announced chunk may be gone
+            self.events.gone(links[hits], self._prefix_groups)
+        return hits
 
     def _keys(self, link: bytes, group: int) -> list[str]:
         """Every rank's key of one group's part of a chunk."""
@@ -277,6 +296,7 @@ class KVPoolScheduler:
         candidates = self._tails(missed, num_computed_tokens, limit)
         if not candidates or (links := self._links(st, candidates)) is None:
             return None
+        self.stats.add("tail_lookups")
         found = self.client.first_whole([self._prefix_keys(link) for link in links])
         return None if found is None else candidates[found]
 
@@ -310,7 +330,10 @@ class KVPoolScheduler:
                         for k in self._keys(link, g)
                     ]
             needs.append(keys)
-        found = self.client.first_whole(needs) if needs else None
+        if not needs:
+            return []
+        self.stats.add("tail_lookups")
+        found = self.client.first_whole(needs)
         return [] if found is None else candidates[found]
 
     def update_state_after_alloc(

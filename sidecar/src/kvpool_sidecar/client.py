@@ -201,6 +201,16 @@ class SidecarClient:
             return 0
         return int(self._control("lookup", {"keys": list(keys)})["hits"])
 
+    def lookup_then_first_whole(
+        self, keys: Sequence[str], at: int, groups: Sequence[Sequence[str]]
+    ) -> tuple[int, int | None]:
+        """`lookup(keys)`, and when it is `at`, `first_whole(groups)`, in one round trip. The second
+        value means something only when the first is `at`."""
+        body = {"keys": list(keys), "alternatives": [list(g) for g in groups], "alternatives_at": at}
+        answer = self._control("lookup", body)
+        found = answer.get("alternative")
+        return int(answer["hits"]), None if found is None else int(found)
+
     def first_whole(self, groups: Sequence[Sequence[str]]) -> int | None:
         """The index of the first of `groups` whose keys can all be loaded now, or None."""
         if not groups:

@@ -19,7 +19,8 @@ class TooLarge(ValueError):
 
 def lookup(store: Store, req: s.LookupRequest) -> s.LookupResponse:
     hits = store.lookup(req.keys)
-    if hits < len(req.keys) or not req.alternatives:
+    at = len(req.keys) if req.alternatives_at is None else req.alternatives_at
+    if hits != at or not req.alternatives:
         return s.LookupResponse(hits=hits)
     return s.LookupResponse(hits=hits, alternative=store.first_whole(req.alternatives))
 

@@ -23,8 +23,14 @@ class LookupRequest(_Strict):
     alternatives: list[Annotated[list[Key], Field(max_length=MAX_BATCH)]] = Field(
         default_factory=list,
         max_length=64,
-        description="key groups tried, in order, when every key was found: the answer names the first "
-        "group whose keys can all be loaded now (a shorter tail chunk saved by an earlier prompt)",
+        description="key groups tried, in order, when the keys found were `alternatives_at`: the answer "
+        "names the first group whose keys can all be loaded now (a shorter tail chunk saved by an earlier "
+        "prompt)",
+    )
+    alternatives_at: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="how many of `keys` found makes `alternatives` tried (the connector's guess of where "
+        "its prompt misses, so that a miss takes one round trip); unset: all of them",
     )
 
 
