@@ -226,11 +226,8 @@ class KVPoolScheduler:
                 # most likely misses at: the first one vLLM has not computed itself (all of a prompt
                 # with no reuse). A miss elsewhere asks for its tails again.
                 guess = next(i for i, s in enumerate(spans) if s[1] > num_computed_tokens)
-                tails = self._tails(spans[guess], num_computed_tokens, limit)
-                tail_links = self._links(st, tails) or []
-                found_keys, found = self.client.lookup_then_first_whole(
-                    keys, guess * per_chunk, [self._prefix_keys(link) for link in tail_links]
-                )
+                tails, groups = self._tail_groups(st, spans[guess], num_computed_tokens, limit)
+                found_keys, found = self.client.lookup_then_first_whole(keys, guess * per_chunk, groups)
                 hits = self._hits(found_keys, per_chunk, links)
                 hit_spans = spans[:hits]
                 if found_keys == guess * per_chunk:
@@ -291,14 +288,22 @@ class KVPoolScheduler:
         ends = range(first_end, missed[0], -bs)
         return [(missed[0], e) for e in ends if min(e, limit) > num_computed_tokens]
 
+    def _tail_groups(
+        self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int
+    ) -> tuple[list[Span], list[list[str]]]:
+        """`_tails` and the keys each needs (none where the request cannot be keyed)."""
+        tails = self._tails(missed, num_computed_tokens, limit)
+        links = self._links(st, tails) if tails else None
+        return tails, [self._prefix_keys(link) for link in links or []]
+
     def _saved_tail(self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int) -> Span | None:
         """The longest of `_tails` that is stored. One lookup."""
-        candidates = self._tails(missed, num_computed_tokens, limit)
-        if not candidates or (links := self._links(st, candidates)) is None:
+        tails, groups = self._tail_groups(st, missed, num_computed_tokens, limit)
+        if not groups:
             return None
         self.stats.add("tail_lookups")
-        found = self.client.first_whole([self._prefix_keys(link) for link in links])
-        return None if found is None else candidates[found]
+        found = self.client.first_whole(groups)
+        return None if found is None else tails[found]
 
     def _windowed_hit(
         self, st: _ReqState, spans: list[Span], hits: int, num_computed_tokens: int, limit: int

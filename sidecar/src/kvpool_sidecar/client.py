@@ -213,11 +213,7 @@ class SidecarClient:
 
     def first_whole(self, groups: Sequence[Sequence[str]]) -> int | None:
         """The index of the first of `groups` whose keys can all be loaded now, or None."""
-        if not groups:
-            return None
-        answer = self._control("lookup", {"keys": [], "alternatives": [list(g) for g in groups]})
-        found = answer.get("alternative")
-        return None if found is None else int(found)
+        return self.lookup_then_first_whole([], 0, groups)[1] if groups else None
 
     def put(self, key: str, data: bytes | bytearray | memoryview, priority: int = 0) -> bool:
         """True when stored or already there; False when there is no room even after eviction (507)."""
