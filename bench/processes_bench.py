@@ -21,7 +21,8 @@ servers is not settled.
 
 Unique 352-token prompts with 8-token answers, temperature 0, token ids compared.
 Run: `.venv/bin/python -m bench processes` (about 55 minutes on 2 cores); writes
-bench/results/processes.json.
+bench/results/processes.json. Runs saved apart pool into one table, each of their sets one set:
+`python -c "import bench.processes_bench as p; p.pooled(['a.json', 'b.json'])"`.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
-from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, LEVELS, unique_prompts
+from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, LEVELS, Request, unique_prompts
 from bench.paired_bench import ALONE_2, DEV_MODE, Wave, lockstep, out_tokens_per_s, start_servers, wave_ratios
 from bench.stats import bootstrap, load_note
 from bench.workloads_bench import RESULTS, arms
@@ -88,13 +90,38 @@ def across(sets: list[float]) -> str:
     return f"{geomean(sets):.3f} ({low:.3f}-{high:.3f}) [{', '.join(f'{x:.3f}' for x in sets)}]"
 
 
+def waves_of(record: dict[str, Any], server: str) -> list[Wave]:
+    return [Wave([Request(**r) for r in w["requests"]], w["seconds"]) for w in record[server]]
+
+
+def summarize(runs: list[list[dict[str, Any]]]) -> None:
+    """The table across every set of every run (each run's records as main() writes them): a set is
+    one set of fresh servers, so runs of the same code pool into more sets."""
+    levels = sorted({r["level"] for run in runs for r in run})
+    sets = sum(len({r["set"] for r in run}) for run in runs)
+    print(f"No reuse over {sets} sets of fresh servers: geometric mean (95% interval over sets) [each set]")
+    print("| concurrency | figure | across the sets |\n| --- | --- | --- |")
+    for level in levels:
+        records = [r for run in runs for r in run if r["level"] == level]
+        at = [{s: waves_of(r, s) for s in SERVERS} for r in records]
+        figures = [set_figures(waves) for waves in at]
+        for key in figures[0]:
+            print(f"| {level} | {key} | {across([f[key] for f in figures])} |")
+        same_ids, same_steps, waves_run = (sum(c) for c in zip(*map(agreement, at), strict=True))
+        print(f"| {level} | same ids in all three | {same_ids}/{waves_run * level} |")
+        print(f"| {level} | waves all three ran in the same steps | {same_steps}/{waves_run} |")
+
+
+def pooled(paths: list[str]) -> None:
+    """summarize() over runs saved apart, read from their JSON files."""
+    summarize([json.loads(Path(path).read_text()) for path in paths])
+
+
 def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
     every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
-    figures: dict[int, list[dict[str, float]]] = {level: [] for level in LEVELS}
-    agreed = {level: [0, 0, 0] for level in LEVELS}  # same ids, same steps, waves
-    results: list[dict[str, object]] = []
+    results: list[dict[str, Any]] = []
     with mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}):
         for n in range(SETS):
             order = ORDERS[n % len(ORDERS)]
@@ -108,21 +135,12 @@ def main() -> None:
                 for level in LEVELS:
                     turns = unique_prompts(WAVES[level] * level, seed=20_000 + 100 * n + level)
                     waves = lockstep({s: urls[s] for s in order}, turns, level)
-                    figures[level].append(set_figures(waves))
-                    counts = agreement(waves)
-                    agreed[level] = [x + y for x, y in zip(agreed[level], counts, strict=True)]
                     record = {s: [asdict(w) for w in waves[s]] for s in SERVERS}
                     results.append({"set": n, "level": level, **record})
-                    shown = ", ".join(f"{k} {v:.3f}" for k, v in figures[level][-1].items())
+                    shown = ", ".join(f"{k} {v:.3f}" for k, v in set_figures(waves).items())
+                    counts = agreement(waves)
                     print(f"set {n} c={level}: {shown}; same ids, steps, waves {counts}", flush=True)
             print(f"set {n}: {time.perf_counter() - t0:.0f} s", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "processes.json").write_text(json.dumps(results))
-    print(f"No reuse over {SETS} sets of fresh servers: geometric mean (95% interval over sets) [each set]")
-    print("| concurrency | figure | across the sets |\n| --- | --- | --- |")
-    for level in LEVELS:
-        for key in figures[level][0]:
-            print(f"| {level} | {key} | {across([f[key] for f in figures[level]])} |")
-        same_ids, same_steps, waves_run = agreed[level]
-        print(f"| {level} | same ids in all three | {same_ids}/{waves_run * level} |")
-        print(f"| {level} | waves all three ran in the same steps | {same_steps}/{waves_run} |")
+    summarize([results])
