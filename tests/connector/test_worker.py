@@ -225,6 +225,34 @@ def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidec
         os.sched_setaffinity(0, allowed)
 
 
+def test_the_save_and_load_threads_copy_on_one_thread_not_the_forwards_openmp_team(sidecar_factory) -> None:
+    """A CPU engine sets torch's thread count to its compute cores, and a thread it starts takes that
+    count: each of kvpool's copies would then start an OpenMP team that large on the one core left to
+    it (a 4 MiB save took 264 ms instead of 1.3). kvpool's threads copy on themselves alone, and
+    vLLM's thread keeps its team."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # as vLLM's CPU worker does for two compute cores
+    try:
+        proc = sidecar_factory("16Mi")
+        src, dst, _, _ = _two_workers(proc.info["url"], seed=6)
+        seen: dict[str, int] = {}
+        save_cpu = src.io.save_cpu
+
+        def counted(chunk: torch.Tensor, op: ChunkOp) -> int:
+            seen["save"] = torch.get_num_threads()
+            return save_cpu(chunk, op)
+
+        src.io.save_cpu = counted  # type: ignore[method-assign]
+        saves = chunk_ops([[0, 1]])
+        save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
+        assert run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)])) == set()
+        seen["load"] = dst.loader._thread.submit(torch.get_num_threads).result()
+        assert seen == {"save": 1, "load": 1}
+        assert torch.get_num_threads() == 2, "vLLM's own thread lost its team"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_chunks_larger_than_the_sidecar_takes_turn_saving_off_with_one_error(sidecar_factory, caplog) -> None:
     """A 70B model at TP 1 with 256-token chunks exceeds a small --max-chunk-bytes: one clear error,
     then no more asking (and no warning per step)."""

@@ -1,9 +1,25 @@
-"""Keeps kvpool's threads off the cores vLLM's forward is bound to."""
+"""Keeps kvpool's threads off the cores vLLM's forward is bound to, and out of its OpenMP team."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 import os
+import re
+
+import torch
+
+log = logging.getLogger("kvpool.connector")
+
+# The OpenMP runtimes torch may have loaded (GNU's, Intel's, LLVM's), as /proc/self/maps names them.
+_OPENMP = re.compile(r"/lib(gomp|iomp5|omp)[-.][^/]*$")
+
+
+def side_thread() -> None:
+    """Called first on each of kvpool's own threads (save, load, CUDA copies)."""
+    off_compute_cores()
+    one_openmp_thread()
 
 
 def off_compute_cores() -> None:
@@ -16,3 +32,25 @@ def off_compute_cores() -> None:
     if others:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, others)
+
+
+def one_openmp_thread() -> None:
+    """Makes the calling thread's torch calls run on it alone. A new thread takes torch's thread count,
+    which a CPU engine sets to its compute cores, so each copy of more than a few KiB would start an
+    OpenMP team that large on the cores the thread was moved to: with two threads on one core a 4 MiB
+    save took 264 ms instead of 1.3 (bench/save_interference_bench.py, part 1). torch.set_num_threads would
+    change the count of every thread started after; OpenMP's own call changes this thread's alone."""
+    if torch.get_num_threads() == 1:  # also torch's per-thread set-up, which would undo the call below
+        return
+    with open("/proc/self/maps") as maps:
+        runtimes = sorted({line.split()[-1] for line in maps if _OPENMP.search(line.rstrip())})
+    for path in runtimes:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(path).omp_set_num_threads(1)
+    if torch.get_num_threads() != 1:
+        log.warning(
+            "kvpool: cannot limit its copy thread to one OpenMP thread (runtimes found: %s); its copies "
+            "start teams of %d threads beside the forward",
+            runtimes or "none",
+            torch.get_num_threads(),
+        )

@@ -26,7 +26,7 @@ import torch
 from kvpool_sidecar.client import SidecarClient, Slot
 from kvpool_sidecar.client_errors import SidecarError
 
-from .affinity import off_compute_cores
+from .affinity import side_thread
 from .arena_mapping import ArenaChanged, ArenaMapping
 from .chunk_io import ChunkIO
 from .common import ChunkOp, LoadSpec, StepPlan
@@ -62,7 +62,7 @@ class ChunkLoader:
         self.stream: torch.cuda.Stream | None = None
         self.pool: ThreadPoolExecutor | None = None
         self.staged_ahead = 0  # CUDA: chunks staged ahead of their DMA
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load", initializer=off_compute_cores)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvpool-load", initializer=side_thread)
         self._loading: dict[str, Future[_Loaded]] = {}
         self._finished: set[str] = set()  # loads done, not yet reported
         self._failed_blocks: set[int] = set()  # their blocks that failed, reported with them

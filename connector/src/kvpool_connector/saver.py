@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .affinity import off_compute_cores
+from .affinity import side_thread
 
 # How long a step waits for the saves of blocks it reuses before dropping those not yet copying.
 FENCE_SECONDS = 0.1
@@ -85,7 +85,7 @@ class SaveQueue:
             self._last_step = max(self._last_step, step)
 
     def _loop(self) -> None:
-        off_compute_cores()  # started from vLLM's thread: a CPU engine's compute cores
+        side_thread()  # started from vLLM's thread: a CPU engine's compute cores and OpenMP team
         while True:
             with self._cv:
                 while not self._queue and not self._closed:

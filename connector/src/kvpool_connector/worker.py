@@ -36,7 +36,7 @@ from kvpool_sidecar.client import Slot
 from kvpool_sidecar.client_errors import SidecarError, SidecarRefused, SidecarTimeout
 from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
-from .affinity import off_compute_cores
+from .affinity import side_thread
 from .arena_mapping import ArenaMapping
 from .breaker import Breaker
 from .chunk_io import ChunkIO
@@ -123,7 +123,7 @@ class KVPoolWorker:
             self._stream = torch.cuda.Stream()
             self.copy_threads = self.cfg.copy_threads or default_copy_threads(torch.cuda.device_count())
             self._pool = ThreadPoolExecutor(
-                self.copy_threads, thread_name_prefix="kvpool-copy", initializer=off_compute_cores
+                self.copy_threads, thread_name_prefix="kvpool-copy", initializer=side_thread
             )
         self.loader.attach(self.io, self._mapping, self._stream, self._pool, self.copy_threads)
         if chunk_blocks:
