@@ -6,8 +6,9 @@ orders, the split [blocks, 2, block_size, kv_heads, head_size] view, or MLA's [b
 When a block's bytes form one contiguous run (every layout with the block outside the in-block
 dimensions), a block is copied as raw bytes in its physical order: one row copy per block, any dtype.
 Otherwise (e.g. LHBNC, heads outside blocks) blocks are copied in logical order. On the CPU a dense
-layer copies one memcpy per run of consecutive blocks; on CUDA one indexing kernel moves all of a
-layer's blocks, over 8-byte words where the rows allow (one launch, not one per block: measured, #26).
+layer's gather is one index_select (a memcpy a block, in one call that lets go of the GIL) and its
+scatter one memcpy per run of consecutive blocks; on CUDA one indexing kernel moves all of a layer's
+blocks, over 8-byte words where the rows allow (one launch, not one per block: measured, #26).
 The chunk namespace names the layout, so the two formats never meet.
 """
 
@@ -29,7 +30,8 @@ def _block_is_dense(t: torch.Tensor) -> bool:
 
 def _runs(block_ids: torch.Tensor) -> list[tuple[int, int, int]]:
     """(position, first block, count) for each run of consecutive block ids: one memcpy per run.
-    (uint8 index_copy_ copies byte by byte, ten times slower than copy_ on this CPU.)"""
+    (uint8 index_copy_ copies byte by byte, ten times slower than copy_ on this CPU; index_select,
+    the gather, copies whole rows.)"""
     ids = block_ids.tolist()
     runs: list[tuple[int, int, int]] = []
     for i, b in enumerate(ids):
@@ -64,11 +66,8 @@ class PagedLayer:
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copies blocks `block_ids` into `out`, a contiguous uint8 tensor [len(block_ids), page_bytes]
         on the cache's device."""
-        if self.dense and self.cache.is_cuda:
+        if self.dense:
             torch.index_select(self.words, 0, block_ids, out=out.view(self.words.dtype))
-        elif self.dense:
-            for i, b, n in _runs(block_ids):
-                out[i : i + n].copy_(self.pages[b : b + n])
         else:
             out.copy_(self.cache.index_select(0, block_ids).view(torch.uint8).reshape(out.shape))
 
