@@ -228,7 +228,7 @@ def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidec
 def test_the_save_and_load_threads_copy_on_one_thread_not_the_forwards_openmp_team(sidecar_factory) -> None:
     """A CPU engine sets torch's thread count to its compute cores, and a thread it starts takes that
     count: each of kvpool's copies would then start an OpenMP team that large on the one core left to
-    it (a 4 MiB save took 264 ms instead of 1.3). kvpool's threads copy on themselves alone, and
+    it (a 4 MiB save took over 250 ms instead of about 1). kvpool's threads copy on themselves alone, and
     vLLM's thread keeps its team."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)  # as vLLM's CPU worker does for two compute cores

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import re
 
 import torch
 
-log = logging.getLogger("kvpool.connector")
+from .logs import connector_logger
+
+log = connector_logger(__name__)
 
 # The OpenMP runtimes torch may have loaded (GNU's, Intel's, LLVM's), as /proc/self/maps names them.
 _OPENMP = re.compile(r"/lib(gomp|iomp5|omp)[-.][^/]*$")
@@ -38,8 +39,9 @@ def one_openmp_thread() -> None:
     """Makes the calling thread's torch calls run on it alone. A new thread takes torch's thread count,
     which a CPU engine sets to its compute cores, so each copy of more than a few KiB would start an
     OpenMP team that large on the cores the thread was moved to: with two threads on one core a 4 MiB
-    save took 264 ms instead of 1.3 (bench/save_interference_bench.py, part 1). torch.set_num_threads would
-    change the count of every thread started after; OpenMP's own call changes this thread's alone."""
+    save took over 250 ms instead of about 1 (bench/save_interference_bench.py, part 1).
+    torch.set_num_threads would change the count of every thread started after; OpenMP's own call
+    changes this thread's alone."""
     if torch.get_num_threads() == 1:  # also torch's per-thread set-up, which would undo the call below
         return
     with open("/proc/self/maps") as maps:
