@@ -53,7 +53,9 @@ class PagedLayer:
         self.dense = _block_is_dense(cache)
         if self.dense:
             self.pages = _rows(cache, torch.uint8)  # (num_blocks, page_bytes) over the same storage
-            self.words = self.pages  # the rows as the widest type they align to, for CUDA's kernels
+            # the rows the gather and CUDA's scatter index: as int64 words on CUDA where they align
+            # (fewer, wider elements for its kernels), else as the bytes
+            self.words = self.pages
             elem = cache.element_size()
             offset, stride = cache.storage_offset() * elem, cache.stride(0) * elem
             if cache.is_cuda and self.page_bytes % 8 == offset % 8 == stride % 8 == 0:
