@@ -76,6 +76,7 @@ STEP_GAP_S = 0.02
 class Wave:
     requests: list[Request]  # TTFT and seconds counted from the wave's release
     seconds: float  # from the release to the wave's last token
+    released_at: float = 0.0  # time.perf_counter() at the release (bench phases lines traces up with it)
 
     def steps(self) -> tuple[int, ...]:
         """How many of the wave's requests got their first token in each of its steps, in order."""
@@ -108,7 +109,7 @@ def released(url: str, apis: list[OpenAI], wave: list[Turn], pool: ThreadPoolExe
         engine_call(url, "/resume")
     answers = list(pool.map(lambda s: read_stream(s, t0), streams))
     requests = [Request(t.user, t.round, len(t.prompt), *a) for t, a in zip(wave, answers, strict=True)]
-    return Wave(requests, max(r.seconds for r in requests))
+    return Wave(requests, max(r.seconds for r in requests), t0)
 
 
 def lockstep(urls: dict[str, str], turns: list[Turn], concurrency: int) -> dict[str, list[Wave]]:
