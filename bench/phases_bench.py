@@ -127,8 +127,9 @@ def main() -> None:
                     engine_call(url, "/pause?mode=keep&clear_cache=false")
                     engine_call(url, "/resume")
             print(f"set {n} ({', '.join(order)}) ({load_note()})", flush=True)
+            records = {s: trace_records(traces[s]) for s in SERVERS}
             for lv, by_server in waves.items():
-                got = {s: [phases(w, trace_records(traces[s])) for w in by_server[s]] for s in SERVERS}
+                got = {s: [phases(w, records[s]) for w in by_server[s]] for s in SERVERS}
                 for s in SERVERS:
                     for wave_phases in got[s]:
                         for phase, ms in wave_phases.items():
