@@ -254,12 +254,17 @@ def start_servers(
     names: tuple[str, ...],
     work: Path,
     stack: contextlib.ExitStack,
+    env: Callable[[str], dict[str, str]] = lambda name: {},
 ) -> dict[str, str]:
     """Starts the servers `names` in that order (ALONE_2: another vLLM alone) under `stack`, each in a
-    directory of its own below `work` and warmed with one request; their URLs."""
+    directory of its own below `work`, with `env(name)` added to its environment, and warmed with one
+    request; their URLs."""
     urls = {}
     for i, name in enumerate(names):
-        (urls[name],) = stack.enter_context(every[ALONE if name == ALONE_2 else name][0](work / f"arm{i}"))
+        with mock.patch.dict(os.environ, env(name)):
+            (urls[name],) = stack.enter_context(
+                every[ALONE if name == ALONE_2 else name][0](work / f"arm{i}")
+            )
         request(client(urls[name]), unique_prompts(1, seed=99)[0])  # warm-up
     return urls
 

@@ -26,13 +26,12 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, request, unique_prompts
-from bench.paired_bench import DEV_MODE, Wave, engine_call, lockstep
+from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, unique_prompts
+from bench.paired_bench import DEV_MODE, Wave, engine_call, lockstep, start_servers
 from bench.phase_trace import DIR_ENV, plugin_dir
 from bench.stats import load_note
 from bench.workloads_bench import arms
 from kvpool_demo.localrun import HUGE_PAGES
-from kvpool_demo.openai_driver import client
 from kvpool_demo.tinymodel import BENCH, make_model
 
 SETS = 4
@@ -66,14 +65,17 @@ def phases(wave: Wave, records: list[dict[str, Any]]) -> dict[str, float]:
         "decode: forwards": later,
         "decode: the rest": decode - later,
         "decode: the rest: schedule()": total("schedule", False),
-        "saves (kvpool's save thread, beside the forwards)": total("save", True) + total("save", False),
+        "saves (kvpool's save thread, beside the forwards)": sum(
+            r["t1"] - r["t0"] for r in during if r["phase"] == "save"
+        ),
     }
     return {k: 1000 * v for k, v in out.items()}
 
 
 def set_figures(got: dict[str, list[dict[str, float]]]) -> dict[str, str]:
-    """One set's kvpool over vLLM alone: the prefill forwards' ratio (the process each server got), and
-    kvpool's extra milliseconds a wave outside the forwards (its own work)."""
+    """One set's kvpool over vLLM alone: the forwards' ratios before and after the first token (the
+    processes the two servers got), and kvpool's extra milliseconds a wave outside the forwards (its
+    own work)."""
     a, k = ({p: sum(w[p] for w in got[s]) / len(got[s]) for p in got[s][0]} for s in SERVERS)
     return {
         "TTFT forwards ratio": f"{k['TTFT: forwards'] / a['TTFT: forwards']:.3f}",
@@ -110,15 +112,11 @@ def main() -> None:
         for n in range(SETS):
             order = SERVERS if n % 2 == 0 else SERVERS[::-1]
             traces = {s: Path(d) / f"set{n}" / f"trace{i}" for i, s in enumerate(SERVERS)}
+            for where in traces.values():
+                where.mkdir(parents=True)
             with contextlib.ExitStack() as stack:
-                urls = {}
-                for s in order:
-                    traces[s].mkdir(parents=True)
-                    with mock.patch.dict(os.environ, {DIR_ENV: str(traces[s]), "PYTHONPATH": path}):
-                        (urls[s],) = stack.enter_context(
-                            every[s][0](traces[s].parent / f"arm{SERVERS.index(s)}")
-                        )
-                    request(client(urls[s]), unique_prompts(1, seed=99)[0])  # warm-up
+                envs = {s: {DIR_ENV: str(traces[s]), "PYTHONPATH": path} for s in SERVERS}
+                urls = start_servers(every, order, Path(d) / f"set{n}", stack, envs.__getitem__)
                 waves = {
                     lv: lockstep(urls, unique_prompts(nw * lv, seed=50_000 + 100 * n + lv), lv)
                     for lv, nw in WAVES.items()
