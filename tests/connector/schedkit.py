@@ -119,10 +119,16 @@ def make_scheduler(
 _ids = iter(range(1, 10_000))
 
 
-def make_request(tokens: list[int] | None, max_tokens: int = 4, priority: int = 0, **inputs: Any) -> Request:
+def make_request(
+    tokens: list[int] | None,
+    max_tokens: int = 4,
+    priority: int = 0,
+    prompt_logprobs: int | None = None,
+    **inputs: Any,
+) -> Request:
     """A request as the engine core builds it; `inputs` are Request's own (cache_salt, lora_request,
     mm_features, prompt_embeds)."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
     params.update_from_generation_config({}, EOS)
     return Request(
         request_id=f"r{next(_ids)}",

@@ -185,6 +185,28 @@ def test_priority_limit_and_skip_save_in_the_scheduler(tiny_model, sidecar) -> N
     assert_empty(s)
 
 
+def test_a_request_that_must_compute_its_prompt_is_never_looked_up_nor_loaded(tiny_model, sidecar) -> None:
+    """Prompt logprobs (vLLM skips its own prefix cache for them) and `kvpool.skip_load` opt a request
+    out of loading: no round trip to the sidecar (a miss's whole cost) and every token computed, though
+    all its chunks are stored. Its saves are planned as any request's (the sidecar takes only the
+    chunks it lacks)."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    tokens = prompt(96, 15)
+    store_chunks(s, client, tokens, 2)
+    opted_out = make_request(tokens)
+    opted_out.kv_transfer_params = {"kvpool.skip_load": True}
+    for r in (make_request(tokens, prompt_logprobs=1), opted_out):
+        s.add_request(r)
+        counters: dict = {}
+        outputs = run_to_end(s, counters=counters)
+        assert first_computed(outputs) == 0
+        assert not loads_of(outputs)
+        assert counters.get("lookups", 0) == 0
+        assert len([op for sv in saves_of(outputs) for op in sv.chunks]) == 3
+    assert_empty(s)
+
+
 def test_a_longer_next_round_reuses_the_saved_tail_block_by_block(tiny_model, sidecar) -> None:
     """Round 2 of a conversation is round 1's prompt and more: its chunk where round 1's partial tail
     was has another key, so the tail is found as a shorter span of that chunk and loaded."""

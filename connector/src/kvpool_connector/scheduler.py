@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = connector_logger(__name__)
 SKIP_SAVE_PARAM = "kvpool.skip_save"
+SKIP_LOAD_PARAM = "kvpool.skip_load"
 # vLLM's null block (its block pool hands out block 0 as it): what a request's table holds where a
 # sliding window let go of its blocks. Nothing is ever loaded into it or saved from it.
 NULL_BLOCK = 0
@@ -166,7 +167,7 @@ class KVPoolScheduler:
     ) -> tuple[int | None, bool]:
         st = self._state(request)
         st.lookup = None
-        if st.load_failed:
+        if st.load_failed or not self._load_allowed(request):
             return 0, False
         asked = st.asked
         if (
@@ -451,6 +452,14 @@ class KVPoolScheduler:
     def _load_spec(self, st: _ReqState) -> LoadSpec:
         assert st.lookup is not None and st.load is not None
         return LoadSpec(st.request.request_id, self._ops(st, st.lookup[1], st.load), self.sync_loads)
+
+    def _load_allowed(self, request: Request) -> bool:
+        # vLLM's own flag: a request that must compute every prompt token (prompt logprobs), which
+        # vLLM gives no cached token even after a lookup: asking would only cost the round trip
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return False
+        params = request.kv_transfer_params or {}
+        return not params.get(SKIP_LOAD_PARAM, False)
 
     def _save_allowed(self, request: Request) -> bool:
         limit = self.cfg.priority_limit
