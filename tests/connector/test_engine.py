@@ -47,6 +47,7 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
             _run("warmup", random_prompt(100, 512, seed=9), max_tokens=2),
             _run("cold", P1),
             _run("warm", P1),
+            _run("skip_load", P1, kv_transfer_params={"kvpool.skip_load": True}),
             _run("low", P2, e, priority=[LIMIT + 1]),
             _run("high", P3, e, priority=[LIMIT]),
             _run("skip", P4, e, kv_transfer_params={"kvpool.skip_save": True}),
@@ -60,7 +61,7 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
     s: dict[str, Any] = {}
     try:
         e.start()
-        for label in ("cold", "warm"):
+        for label in ("cold", "warm", "skip_load"):
             s[label] = e.wait_done(label)
         for label in ("low", "high", "skip"):
             s[f"chunks_before_{label}"] = client.stats()["chunks"]
@@ -113,6 +114,11 @@ def test_warm_run_loads_its_prefix_and_matches_cold_bit_for_bit(story: dict[str,
     # what the engine told its sidecar at start, for the pool's status: served, shared across pods
     report = story["stats_after_corrupt"]["engines"]["dp0"]
     assert (report["cache"], report["shared"]) == ("on", True), report
+
+
+def test_skip_load_computes_the_whole_prompt_though_kvpool_holds_it(story: dict[str, Any]) -> None:
+    assert _out(story["skip_load"])["num_cached_tokens"] == 0
+    _same(story["skip_load"], story["cold"])
 
 
 def test_priority_limit_and_skip_save(story: dict[str, Any]) -> None:
