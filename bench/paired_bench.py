@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 from openai import OpenAI
@@ -95,15 +96,21 @@ def engine_call(url: str, path: str) -> None:
         r.read()
 
 
-def released(url: str, apis: list[OpenAI], wave: list[Turn], pool: ThreadPoolExecutor) -> Wave:
-    """Sends `wave` to the server at `url` with its scheduler paused ("keep": requests queue, nothing
-    is scheduled, no cache is cleared), then resumes it, so the wave's first step starts with every
-    request of it that fits and each server of a pair gets the wave in the same steps. A stream
-    opens once the server has taken its request, just before it hands it to the engine; Wave.steps
-    shows the shapes that came of it."""
+def released(
+    url: str,
+    apis: list[OpenAI],
+    wave: list[Turn],
+    pool: ThreadPoolExecutor,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> Wave:
+    """Sends `wave` (each request with `kv_transfer_params`, if given) to the server at `url` with its
+    scheduler paused ("keep": requests queue, nothing is scheduled, no cache is cleared), then resumes
+    it, so the wave's first step starts with every request of it that fits and each server of a pair
+    gets the wave in the same steps. A stream opens once the server has taken its request, just
+    before it hands it to the engine; Wave.steps shows the shapes that came of it."""
     engine_call(url, "/pause?mode=keep&clear_cache=false")
     try:
-        streams = list(pool.map(open_stream, apis, wave))
+        streams = list(pool.map(lambda api, turn: open_stream(api, turn, kv_transfer_params), apis, wave))
     finally:
         t0 = time.perf_counter()
         engine_call(url, "/resume")
@@ -155,7 +162,7 @@ def compare(
     return {a: [ws[i] for i in kept] for a, ws in waves.items()}
 
 
-def _cell(r: tuple[float, float, float]) -> str:
+def cell(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
 
 
@@ -181,9 +188,9 @@ def row(level: int, what: str, b: list[Wave], k: list[Wave]) -> str:
     same = sum(x == y for x, y in zip(outputs(b), outputs(k), strict=True))
     same_steps = sum(x.steps() == y.steps() for x, y in zip(b, k, strict=True))
     return (
-        f"| {level} | {what} | {len(k)} | {_cell(ratio(b, k, p50))} | {_cell(ratio(b, k, p99))} | "
-        f"{_cell(ratio(b, k, mean_ttft))} | {statistics.median(per_wave):.3f} ({low:.3f}-{high:.3f}) | "
-        f"{_cell(ratio(b, k, out_tokens_per_s))} | {same}/{len(ttfts(k))} | {same_steps}/{len(k)} |"
+        f"| {level} | {what} | {len(k)} | {cell(ratio(b, k, p50))} | {cell(ratio(b, k, p99))} | "
+        f"{cell(ratio(b, k, mean_ttft))} | {statistics.median(per_wave):.3f} ({low:.3f}-{high:.3f}) | "
+        f"{cell(ratio(b, k, out_tokens_per_s))} | {same}/{len(ttfts(k))} | {same_steps}/{len(k)} |"
     )
 
 
@@ -294,7 +301,7 @@ def main() -> None:
                 results[level][c.name] = {a: [asdict(w) for w in ws] for a, ws in waves.items()}
                 kept[c] = (waves[c.base], waves[c.arm])
             ttft, tokens = through_control(kept[COMPARISONS[1]], kept[COMPARISONS[2]])
-            controlled.append(f"| {level} | {KVPOOL} / {ALONE_2} | {_cell(ttft)} | {_cell(tokens)} |")
+            controlled.append(f"| {level} | {KVPOOL} / {ALONE_2} | {cell(ttft)} | {cell(tokens)} |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "paired.json").write_text(json.dumps(results))
     print("\n".join(["Wave by wave, arm / baseline (95% intervals):", *HEAD, *lines]))

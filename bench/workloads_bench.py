@@ -85,6 +85,27 @@ class ArmResult:
 Servers = Callable[[Path], contextlib.AbstractContextManager[list[str]]]
 
 
+def bench_server(
+    model: Path,
+    log: Path,
+    blocks: int,
+    engine_blocks: int = ENGINE_BLOCKS,
+    connector: dict[str, Any] | None = None,
+    **kw: Any,
+) -> contextlib.AbstractContextManager[str]:
+    """One arm's vLLM server: KV for `blocks`, and the model length every arm has (the floor's
+    included), set by the engine's own KV of `engine_blocks`."""
+    return vllm_server(
+        model,
+        log,
+        kv_cache_bytes=blocks * BLOCK * BENCH.kv_bytes_per_token,
+        connector=connector,
+        block_size=BLOCK,
+        max_model_len=(engine_blocks - 1) * BLOCK,
+        **kw,
+    )
+
+
 def arms(
     model: Path, engine_blocks: int = ENGINE_BLOCKS, floor_blocks: int = FLOOR_BLOCKS
 ) -> dict[str, tuple[Servers, Callable[[Turn], int]]]:
@@ -94,15 +115,7 @@ def arms(
     def _server(
         model: Path, log: Path, blocks: int, connector: dict[str, Any] | None = None, **kw: Any
     ) -> contextlib.AbstractContextManager[str]:
-        return vllm_server(
-            model,
-            log,
-            kv_cache_bytes=blocks * BLOCK * BENCH.kv_bytes_per_token,
-            connector=connector,
-            block_size=BLOCK,
-            max_model_len=(engine_blocks - 1) * BLOCK,  # the same in every arm, the floor's included
-            **kw,
-        )
+        return bench_server(model, log, blocks, engine_blocks, connector, **kw)
 
     @contextlib.contextmanager
     def alone(work: Path, blocks: int = engine_blocks) -> Iterator[list[str]]:

@@ -7,6 +7,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from openai import OpenAI, Stream
 from openai.types import Completion
@@ -55,16 +56,21 @@ def client(url: str) -> OpenAI:
     return OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
 
 
-def open_stream(client: OpenAI, turn: Turn) -> Stream[Completion]:
-    """Sends `turn` as a streamed completion, temperature 0; returns once the server has answered
-    with the stream's headers, before its first token."""
+def open_stream(
+    client: OpenAI, turn: Turn, kv_transfer_params: dict[str, Any] | None = None
+) -> Stream[Completion]:
+    """Sends `turn` as a streamed completion, temperature 0 (with the connector's `kv_transfer_params`
+    if given); returns once the server has answered with the stream's headers, before its first token."""
+    extra: dict[str, Any] = {"ignore_eos": True, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        extra["kv_transfer_params"] = kv_transfer_params
     return client.completions.create(
         model="model",
         prompt=turn.prompt,
         max_tokens=turn.max_tokens,
         temperature=0,
         stream=True,
-        extra_body={"ignore_eos": True, "return_token_ids": True},
+        extra_body=extra,
     )
 
 
