@@ -19,7 +19,9 @@ phases compare with vLLM alone for those.
 
 Per level, pooled over SETS fresh servers: on / opted out and the control (opted out again / opted
 out), as the median of the rounds' wave ratios of mean TTFT and as output tokens/s, with 95%
-bootstrap intervals over the rounds. Unique 352-token prompts with 8-token answers, temperature 0.
+bootstrap intervals over the rounds. And the CPU time each wave took beside the forward, by role
+(server_cpu.py: kvpool's save thread, the sidecar, the API server), as each arm's mean difference
+from the opted-out waves. Unique 352-token prompts with 8-token answers, temperature 0.
 Run: `.venv/bin/python -m bench opt_out` (about 22 minutes on 2 cores); writes
 bench/results/opt-out.json.
 """
@@ -34,7 +36,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -50,6 +52,7 @@ from bench.paired_bench import (
     released,
     wave_ratios,
 )
+from bench.server_cpu import ROLES, ServerProcesses, spent
 from bench.stats import bootstrap, load_note
 from bench.workloads_bench import BLOCK, CHUNK, RESULTS, bench_server
 from kvpool_connector.config import load_config
@@ -101,41 +104,71 @@ def wait_for_saves(url: str, target: int) -> bool:
     return False
 
 
-def run_level(url: str, side: str, level: int, seed: int) -> tuple[dict[str, list[Wave]], int]:
-    """ROUNDS[level] rounds of waves at `level`; the waves of each arm, and how many on waves' saves
-    had not all landed by the wave's end."""
+@dataclass
+class Level:
+    """One level's waves of each arm, the CPU each took by role (ms), and how many on waves' saves had
+    not all landed by the wave's end."""
+
+    waves: dict[str, list[Wave]] = field(default_factory=lambda: {a: [] for a in ARMS})
+    cpu: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {a: [] for a in ARMS})
+    spilled: int = 0
+
+    def add(self, other: Level) -> None:
+        for a in ARMS:
+            self.waves[a] += other.waves[a]
+            self.cpu[a] += other.cpu[a]
+        self.spilled += other.spilled
+
+
+def run_level(url: str, side: str, procs: ServerProcesses, level: int, seed: int) -> Level:
+    """ROUNDS[level] rounds of waves at `level`. A wave's CPU is counted from its release to its last
+    token: an on wave's saves land within it (Level.spilled counts those that did not)."""
     turns = unique_prompts(ROUNDS[level] * level * len(ARMS), seed=seed)
     waves = [turns[i : i + level] for i in range(0, len(turns), level)]
     apis = [client(url) for _ in range(level)]
-    out: dict[str, list[Wave]] = {a: [] for a in ARMS}
-    spilled = 0
+    out = Level()
     with ThreadPoolExecutor(level) as pool:
         for r in range(ROUNDS[level]):
             for i, arm in enumerate(ORDERS[r % len(ORDERS)]):
                 wave = waves[r * len(ARMS) + i]
                 before, asked = stored(side), looked_up(side)
-                out[arm].append(released(url, apis, wave, pool, PARAMS[arm]))
+                start = procs.sample()
+                out.waves[arm].append(released(url, apis, wave, pool, PARAMS[arm]))
+                out.cpu[arm].append(spent(start, procs.sample()))
                 if arm == ON:
-                    spilled += not wait_for_saves(side, before + sum(map(chunks_saved, wave)))
+                    out.spilled += not wait_for_saves(side, before + sum(map(chunks_saved, wave)))
                 elif (stored(side), looked_up(side)) != (before, asked):
                     raise RuntimeError("an opted-out wave reached the sidecar: the opt-out did not hold")
-    return out, spilled
+    return out
 
 
-def table(level: int, waves: dict[str, list[Wave]], spilled: int) -> list[str]:
+def table(level: int, at: Level) -> list[str]:
     lines = []
-    for what, base, arm in (
-        ("on / opted out", OFF, ON),
-        ("control: opted out again / opted out", OFF, OFF_2),
-    ):
-        b, k = waves[base], waves[arm]
+    comparisons = (("on / opted out", OFF, ON), ("control: opted out again / opted out", OFF, OFF_2))
+    for what, base, arm in comparisons:
+        b, k = at.waves[base], at.waves[arm]
         per_wave = wave_ratios(b, k)
         low, high = bootstrap(per_wave, statistics.median)
         lines.append(
             f"| {level} | {what} | {len(k)} | {statistics.median(per_wave):.4f} ({low:.4f}-{high:.4f}) "
             f"| {cell(ratio(b, k, mean_ttft))} | {cell(ratio(b, k, out_tokens_per_s))} |"
         )
-    lines.append(f"| {level} | on waves whose saves had not all landed at the wave's end | {spilled} | | | |")
+    spilled = f"on waves whose saves had not all landed at the wave's end | {at.spilled}"
+    lines.append(f"| {level} | {spilled} | | | |")
+    return lines
+
+
+def cpu_table(level: int, at: Level) -> list[str]:
+    """Per role: the opted-out waves' mean ms, and the mean paired difference of each arm from them."""
+    lines = []
+    for role in ROLES:
+        base = [c[role] for c in at.cpu[OFF]]
+        cells = []
+        for arm in (ON, OFF_2):
+            diffs = [c[role] - b for c, b in zip(at.cpu[arm], base, strict=True)]
+            low, high = bootstrap(diffs, statistics.fmean)
+            cells.append(f"{statistics.fmean(diffs):+.2f} ({low:+.2f} to {high:+.2f})")
+        lines.append(f"| {level} | {role} | {statistics.fmean(base):.1f} | {cells[0]} | {cells[1]} |")
     return lines
 
 
@@ -143,13 +176,16 @@ HEAD = [
     "| concurrency | arm / baseline | waves | median of the waves' TTFT ratios | mean TTFT | out tok/s |",
     "| --- " * 6 + "|",
 ]
+CPU_HEAD = [
+    "| concurrency | CPU time, ms a wave | opted out | on - opted out | control: again - opted out |",
+    "| --- " * 5 + "|",
+]
 
 
 def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
-    pooled: dict[int, dict[str, list[Wave]]] = {lv: {a: [] for a in ARMS} for lv in ROUNDS}
-    spills = dict.fromkeys(ROUNDS, 0)
+    pooled = {lv: Level() for lv in ROUNDS}
     records: list[dict[str, Any]] = []
     with mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}):
         for n in range(SETS):
@@ -163,22 +199,19 @@ def main() -> None:
                     bench_server(model, Path(d) / "vllm.log", ENGINE_BLOCKS, connector=spec)
                 )
                 request(client(url), unique_prompts(1, seed=99)[0])  # warm-up
+                procs = ServerProcesses.find()
                 print(f"set {n}: server up ({load_note()})", flush=True)
                 for level in ROUNDS:
                     t0 = time.perf_counter()
-                    waves, spilled = run_level(url, side, level, seed=30_000 + 100 * n + level)
-                    records.append(
-                        {"set": n, "level": level, **{a: [asdict(w) for w in waves[a]] for a in ARMS}}
-                    )
-                    for a in ARMS:
-                        pooled[level][a] += waves[a]
-                    spills[level] += spilled
-                    print(
-                        "\n".join(table(level, waves, spilled)),
-                        f"[{time.perf_counter() - t0:.0f} s]",
-                        flush=True,
-                    )
+                    at = run_level(url, side, procs, level, seed=30_000 + 100 * n + level)
+                    waves = {a: [asdict(w) for w in at.waves[a]] for a in ARMS}
+                    records.append({"set": n, "level": level, "cpu": at.cpu, **waves})
+                    pooled[level].add(at)
+                    shown = "\n".join(table(level, at) + cpu_table(level, at))
+                    print(shown, f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "opt-out.json").write_text(json.dumps(records))
-    print(f"\nPooled over {SETS} sets, ratios with 95% intervals over the rounds ({load_note()}):")
-    print("\n".join([*HEAD, *(line for lv in ROUNDS for line in table(lv, pooled[lv], spills[lv]))]))
+    print(f"\nPooled over {SETS} sets, 95% intervals over the rounds ({load_note()}):")
+    print("\n".join([*HEAD, *(line for lv in ROUNDS for line in table(lv, pooled[lv]))]))
+    print("\nCPU time by role, ms a wave: the opted-out waves' mean, and each arm's mean difference from it")
+    print("\n".join([*CPU_HEAD, *(line for lv in ROUNDS for line in cpu_table(lv, pooled[lv]))]))

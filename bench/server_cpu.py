@@ -1,0 +1,66 @@
+"""CPU time of a kvpool server's processes beside the forward, by role, to the nanosecond, from
+/proc/<pid>/task/*/schedstat (the time each thread ran).
+
+Wall time on this VM moves a few percent from wave to wave with the machine; CPU time counts only
+what the threads did, so a cost of a few ms a wave stands out of it. Not counted: the worker's main
+thread (the forward) and the engine core, which poll vLLM's shared-memory queues between steps, so
+their CPU time holds spinning that moves with timing, not work."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+WORKER_OTHERS = "the worker's threads beside the forward (kvpool's save thread)"
+SIDECAR = "sidecar"
+API_SERVER = "API server"
+ROLES = (WORKER_OTHERS, SIDECAR, API_SERVER)
+
+
+def _ran_ns(pid: int, tid: int) -> int:
+    """Nanoseconds one thread has run; 0 for a thread that has ended."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _process_ns(pid: int) -> int:
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return 0
+    return sum(_ran_ns(pid, t) for t in tids)
+
+
+@dataclass(frozen=True)
+class ServerProcesses:
+    api_server: int
+    worker: int
+    sidecar: int | None
+
+    @classmethod
+    def find(cls) -> ServerProcesses:
+        """This process's one vLLM server (one engine core, one worker) and its sidecar, if any."""
+        children = psutil.Process().children()
+        (api,) = [p for p in children if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
+        sidecars = [p.pid for p in children if "kvpool_sidecar" in " ".join(p.cmdline())]
+        (core,) = [p for p in api.children() if p.children()]  # the resource tracker has none
+        (worker,) = [p for p in core.children() if "spawn_main" in " ".join(p.cmdline())]
+        return cls(api.pid, worker.pid, sidecars[0] if sidecars else None)
+
+    def sample(self) -> dict[str, int]:
+        """Nanoseconds so far, by role."""
+        return {
+            WORKER_OTHERS: _process_ns(self.worker) - _ran_ns(self.worker, self.worker),
+            SIDECAR: _process_ns(self.sidecar) if self.sidecar is not None else 0,
+            API_SERVER: _process_ns(self.api_server),
+        }
+
+
+def spent(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """Milliseconds by role between two samples."""
+    return {role: (after[role] - before[role]) / 1e6 for role in ROLES}
