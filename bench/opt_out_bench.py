@@ -75,29 +75,25 @@ SETS = 2
 SAVE_DEADLINE_S = 60.0
 
 
-def stored(url: str) -> int:
-    """Chunks the sidecar has taken since it started (evicted ones included)."""
+def counts(url: str) -> tuple[int, int]:
+    """(chunks the sidecar has taken, evicted ones included; keys it was asked for), from one read of
+    its stats."""
     stats = sidecar_stats(url)
-    return int(stats["chunks"]) + int(stats["evictions"])
+    return int(stats["chunks"]) + int(stats["evictions"]), int(stats["hits"]) + int(stats["misses"])
 
 
-def looked_up(url: str) -> int:
-    stats = sidecar_stats(url)
-    return int(stats["hits"]) + int(stats["misses"])
-
-
-def chunks_saved(turn: Turn) -> int:
-    """How many chunks kvpool saves of `turn`'s prompt (its full chunks and its block-aligned tail)."""
+def chunks_saved(wave: list[Turn]) -> int:
+    """How many chunks kvpool saves of `wave`'s prompts (their full chunks and block-aligned tails)."""
     cfg, _ = load_config({"sidecar_url": "http://unused", "chunk_size": CHUNK})
-    return len(prompt_spans(len(turn.prompt), cfg, BLOCK))
+    return sum(len(prompt_spans(len(turn.prompt), cfg, BLOCK)) for turn in wave)
 
 
 def wait_for_saves(url: str, target: int) -> bool:
     """Waits until the sidecar has taken `target` chunks in all; whether they had landed already."""
-    if stored(url) >= target:
+    if counts(url)[0] >= target:
         return True
     deadline = time.monotonic() + SAVE_DEADLINE_S
-    while stored(url) < target:
+    while counts(url)[0] < target:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the sidecar took fewer than {target} chunks within {SAVE_DEADLINE_S} s")
         time.sleep(0.01)
@@ -131,13 +127,13 @@ def run_level(url: str, side: str, procs: ServerProcesses, level: int, seed: int
         for r in range(ROUNDS[level]):
             for i, arm in enumerate(ORDERS[r % len(ORDERS)]):
                 wave = waves[r * len(ARMS) + i]
-                before, asked = stored(side), looked_up(side)
+                before = counts(side)
                 start = procs.sample()
                 out.waves[arm].append(released(url, apis, wave, pool, PARAMS[arm]))
                 out.cpu[arm].append(spent(start, procs.sample()))
                 if arm == ON:
-                    out.spilled += not wait_for_saves(side, before + sum(map(chunks_saved, wave)))
-                elif (stored(side), looked_up(side)) != (before, asked):
+                    out.spilled += not wait_for_saves(side, before[0] + chunks_saved(wave))
+                elif counts(side) != before:
                     raise RuntimeError("an opted-out wave reached the sidecar: the opt-out did not hold")
     return out
 
