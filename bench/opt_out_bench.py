@@ -13,13 +13,21 @@ twice would hit vLLM's prefix cache). After an on wave the next one waits until 
 what it saved, so that no save runs into another arm's wave; how many had not landed by the wave's
 end is counted. The sidecar's counters check each arm: an opted-out wave adds no lookup and no chunk.
 
+Each wave is also split into its phases in the engine's own processes (bench/phase_trace.py, as in
+bench phases): the forwards before and after its first token and the rest (schedule(), kvpool's
+lookups, the hand-overs, the output). bench phases compares two server processes, whose forwards
+differ by the process each happens to be; here the forwards of on and opted-out waves run in the same
+process, in steps of the same shapes, so their ratio is what kvpool's saves and lookups cost the
+forward itself.
+
 What this leaves out is what the connector costs a step with no request work: its per-step calls
 (tens of µs a step, bench phases) and an idle sidecar beside the engine. bench processes and bench
 phases compare with vLLM alone for those.
 
 Per level, pooled over SETS fresh servers: on / opted out and the control (opted out again / opted
 out), as the median of the rounds' wave ratios of mean TTFT and as output tokens/s, with 95%
-bootstrap intervals over the rounds. And the CPU time each wave took beside the forward, by role
+bootstrap intervals over the rounds. The phases as each arm's mean difference from the opted-out
+waves, and the forwards as a ratio. And the CPU time each wave took beside the forward, by role
 (server_cpu.py: kvpool's save thread, the sidecar, the API server), as each arm's mean difference
 from the opted-out waves. Unique 352-token prompts with 8-token answers, temperature 0.
 Run: `.venv/bin/python -m bench opt_out` (about 22 minutes on 2 cores); writes
@@ -35,6 +43,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,12 +55,15 @@ from bench.paired_bench import (
     DEV_MODE,
     Wave,
     cell,
+    engine_call,
     mean_ttft,
     out_tokens_per_s,
     ratio,
     released,
     wave_ratios,
 )
+from bench.phase_trace import DIR_ENV, plugin_dir
+from bench.phases_bench import REPO, phases, trace_records
 from bench.server_cpu import ROLES, ServerProcesses, spent
 from bench.stats import bootstrap, load_note
 from bench.workloads_bench import BLOCK, CHUNK, RESULTS, bench_server
@@ -100,20 +112,34 @@ def wait_for_saves(url: str, target: int) -> bool:
     return False
 
 
+FORWARDS = "the forwards (TTFT and decode)"
+
+
+def _with_forwards(got: dict[str, float]) -> dict[str, float]:
+    return {**got, FORWARDS: got["TTFT: forwards"] + got["decode: forwards"]}
+
+
 @dataclass
 class Level:
-    """One level's waves of each arm, the CPU each took by role (ms), and how many on waves' saves had
-    not all landed by the wave's end."""
+    """One level's waves of each arm, the CPU each took by role and its phases (ms), and how many on
+    waves' saves had not all landed by the wave's end."""
 
     waves: dict[str, list[Wave]] = field(default_factory=lambda: {a: [] for a in ARMS})
     cpu: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {a: [] for a in ARMS})
+    phases: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {a: [] for a in ARMS})
     spilled: int = 0
 
     def add(self, other: Level) -> None:
         for a in ARMS:
             self.waves[a] += other.waves[a]
             self.cpu[a] += other.cpu[a]
+            self.phases[a] += other.phases[a]
         self.spilled += other.spilled
+
+    def trace(self, records: list[dict[str, Any]]) -> None:
+        """Splits each wave into its phases, from the server's trace records."""
+        for a in ARMS:
+            self.phases[a] = [_with_forwards(phases(w, records)) for w in self.waves[a]]
 
 
 def run_level(url: str, side: str, procs: ServerProcesses, level: int, seed: int) -> Level:
@@ -154,23 +180,43 @@ def table(level: int, at: Level) -> list[str]:
     return lines
 
 
-def cpu_table(level: int, at: Level) -> list[str]:
-    """Per role: the opted-out waves' mean ms, and the mean paired difference of each arm from them."""
+def differences(level: int, rows: dict[str, list[dict[str, float]]], keys: Sequence[str]) -> list[str]:
+    """Per key (a role's CPU, a phase): the opted-out waves' mean ms, and the mean paired difference of
+    each arm from them."""
     lines = []
-    for role in ROLES:
-        base = [c[role] for c in at.cpu[OFF]]
+    for key in keys:
+        base = [r[key] for r in rows[OFF]]
         cells = []
         for arm in (ON, OFF_2):
-            diffs = [c[role] - b for c, b in zip(at.cpu[arm], base, strict=True)]
+            diffs = [r[key] - b for r, b in zip(rows[arm], base, strict=True)]
             low, high = bootstrap(diffs, statistics.fmean)
             cells.append(f"{statistics.fmean(diffs):+.2f} ({low:+.2f} to {high:+.2f})")
-        lines.append(f"| {level} | {role} | {statistics.fmean(base):.1f} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {level} | {key} | {statistics.fmean(base):.1f} | {cells[0]} | {cells[1]} |")
     return lines
+
+
+def forwards_ratio(level: int, at: Level) -> list[str]:
+    """The forwards of each arm's waves over the opted-out waves' (same process, same step shapes),
+    with a 95% interval by resampling the rounds."""
+    cells = []
+    for arm in (ON, OFF_2):
+        pairs = list(zip(at.phases[OFF], at.phases[arm], strict=True))
+        of = lambda ps: sum(k[FORWARDS] for _, k in ps) / sum(b[FORWARDS] for b, _ in ps)  # noqa: E731
+        cells.append(cell((of(pairs), *bootstrap(pairs, of))))
+    return [f"| {level} | {FORWARDS}, over the opted-out waves' | | {cells[0]} | {cells[1]} |"]
+
+
+def phase_table(level: int, at: Level) -> list[str]:
+    return differences(level, at.phases, list(at.phases[OFF][0])) + forwards_ratio(level, at)
 
 
 HEAD = [
     "| concurrency | arm / baseline | waves | median of the waves' TTFT ratios | mean TTFT | out tok/s |",
     "| --- " * 6 + "|",
+]
+PHASE_HEAD = [
+    "| concurrency | phase, ms a wave | opted out | on - opted out | control: again - opted out |",
+    "| --- " * 5 + "|",
 ]
 CPU_HEAD = [
     "| concurrency | CPU time, ms a wave | opted out | on - opted out | control: again - opted out |",
@@ -189,6 +235,10 @@ def main() -> None:
                 tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
                 contextlib.ExitStack() as stack,
             ):
+                trace = Path(d) / "trace"
+                trace.mkdir()
+                path = f"{plugin_dir(Path(d) / 'plugin')}:{REPO}:{os.environ.get('PYTHONPATH', '')}"
+                stack.enter_context(mock.patch.dict(os.environ, {DIR_ENV: str(trace), "PYTHONPATH": path}))
                 side = stack.enter_context(sidecar(Path(d) / "sidecar", "2Gi"))
                 spec = kvpool_connector_spec(side, CHUNK)
                 url = stack.enter_context(
@@ -200,14 +250,21 @@ def main() -> None:
                 for level in ROUNDS:
                     t0 = time.perf_counter()
                     at = run_level(url, side, procs, level, seed=30_000 + 100 * n + level)
+                    engine_call(url, "/pause?mode=keep&clear_cache=false")  # the engine core writes
+                    engine_call(url, "/resume")  # its trace records at a pause
+                    at.trace(trace_records(trace))
                     waves = {a: [asdict(w) for w in at.waves[a]] for a in ARMS}
-                    records.append({"set": n, "level": level, "cpu": at.cpu, **waves})
+                    records.append({"set": n, "level": level, "cpu": at.cpu, "phases": at.phases, **waves})
                     pooled[level].add(at)
-                    shown = "\n".join(table(level, at) + cpu_table(level, at))
+                    shown = "\n".join(
+                        table(level, at) + phase_table(level, at) + differences(level, at.cpu, ROLES)
+                    )
                     print(shown, f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "opt-out.json").write_text(json.dumps(records))
     print(f"\nPooled over {SETS} sets, 95% intervals over the rounds ({load_note()}):")
     print("\n".join([*HEAD, *(line for lv in ROUNDS for line in table(lv, pooled[lv]))]))
+    print("\nPhases in the engine's processes, ms a wave: the opted-out waves' mean, each arm's difference")
+    print("\n".join([*PHASE_HEAD, *(line for lv in ROUNDS for line in phase_table(lv, pooled[lv]))]))
     print("\nCPU time by role, ms a wave: the opted-out waves' mean, and each arm's mean difference from it")
-    print("\n".join([*CPU_HEAD, *(line for lv in ROUNDS for line in cpu_table(lv, pooled[lv]))]))
+    print("\n".join([*CPU_HEAD, *(line for lv in ROUNDS for line in differences(lv, pooled[lv].cpu, ROLES))]))
