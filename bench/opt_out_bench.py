@@ -18,7 +18,8 @@ bench phases): the forwards before and after its first token and the rest (sched
 lookups, the hand-overs, the output). bench phases compares two server processes, whose forwards
 differ by the process each happens to be; here the forwards of on and opted-out waves run in the same
 process, in steps of the same shapes, so their ratio is what kvpool's saves and lookups cost the
-forward itself.
+forward itself. Step by step (a wave's first STEPS_SHOWN forwards, each over its opted-out twin's), it
+shows which forwards the saves slow: those they run beside.
 
 What this leaves out is what the connector costs a step with no request work: its per-step calls
 (tens of µs a step, bench phases) and an idle sidecar beside the engine. bench processes and bench
@@ -27,11 +28,12 @@ phases compare with vLLM alone for those.
 Per level, pooled over SETS fresh servers: on / opted out and the control (opted out again / opted
 out), as the median of the rounds' wave ratios of mean TTFT and as output tokens/s, with 95%
 bootstrap intervals over the rounds. The phases as each arm's mean difference from the opted-out
-waves, and the forwards as a ratio. And the CPU time each wave took beside the forward, by role
-(server_cpu.py: kvpool's save thread, the sidecar, the API server), as each arm's mean difference
-from the opted-out waves. Unique 352-token prompts with 8-token answers, temperature 0.
-Run: `.venv/bin/python -m bench opt_out` (about 22 minutes on 2 cores); writes
-bench/results/opt-out.json.
+waves, the forwards as a ratio, wave by wave and step by step. And the CPU time each wave took
+beside the forward, by role (server_cpu.py: kvpool's save thread, the sidecar, the API server), as
+each arm's mean difference from the opted-out waves. Unique 352-token prompts with 8-token answers,
+temperature 0.
+Run: `.venv/bin/python -m bench opt_out` (about 22 minutes on the 2-core VM of 2026-11-28, 10 on the
+faster one of 2026-11-29); writes bench/results/opt-out.json.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ PARAMS: dict[str, dict[str, Any] | None] = {
 ROUNDS = {2: 30, 8: 10}  # the levels where bench processes finds kvpool below vLLM alone
 SETS = 2
 SAVE_DEADLINE_S = 60.0
+STEPS_SHOWN = 4  # a wave's first forwards: its prefills and the decodes beside their saves
 
 
 def counts(url: str) -> tuple[int, int]:
@@ -127,6 +130,7 @@ class Level:
     waves: dict[str, list[Wave]] = field(default_factory=lambda: {a: [] for a in ARMS})
     cpu: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {a: [] for a in ARMS})
     phases: dict[str, list[dict[str, float]]] = field(default_factory=lambda: {a: [] for a in ARMS})
+    steps: dict[str, list[list[float]]] = field(default_factory=lambda: {a: [] for a in ARMS})
     spilled: int = 0
 
     def add(self, other: Level) -> None:
@@ -134,12 +138,21 @@ class Level:
             self.waves[a] += other.waves[a]
             self.cpu[a] += other.cpu[a]
             self.phases[a] += other.phases[a]
+            self.steps[a] += other.steps[a]
         self.spilled += other.spilled
 
     def trace(self, records: list[dict[str, Any]]) -> None:
-        """Splits each wave into its phases, from the server's trace records."""
+        """Splits each wave into its phases and its forward steps, from the server's trace records."""
         for a in ARMS:
             self.phases[a] = [_with_forwards(phases(w, records)) for w in self.waves[a]]
+            self.steps[a] = [forward_steps(w, records) for w in self.waves[a]]
+
+
+def forward_steps(wave: Wave, records: list[dict[str, Any]]) -> list[float]:
+    """The milliseconds of each of the wave's forwards that ran tokens, in order."""
+    start, end = wave.released_at, wave.released_at + wave.seconds
+    mine = [r for r in records if r["phase"] == "forward" and r.get("tokens") and start <= r["t0"] <= end]
+    return [1000 * (r["t1"] - r["t0"]) for r in sorted(mine, key=lambda r: r["t0"])]
 
 
 def run_level(url: str, side: str, procs: ServerProcesses, level: int, seed: int) -> Level:
@@ -206,8 +219,30 @@ def forwards_ratio(level: int, at: Level) -> list[str]:
     return [f"| {level} | {FORWARDS}, over the opted-out waves' | | {cells[0]} | {cells[1]} |"]
 
 
+def step_ratios(level: int, at: Level) -> list[str]:
+    """Step by step, each arm's forward over its opted-out twin's (waves of the same steps only): where
+    in a wave kvpool's saves slow the forward. The median of the rounds' ratios, 95% interval."""
+    lines: list[str] = []
+    for i in range(STEPS_SHOWN):
+        cells, used, base_ms = [], [], []
+        for arm in (ON, OFF_2):
+            pairs = zip(at.steps[OFF], at.steps[arm], strict=True)
+            twins = [(b, k) for b, k in pairs if len(b) == len(k) > i]
+            ratios = [k[i] / b[i] for b, k in twins]
+            if not ratios:
+                return lines
+            low, high = bootstrap(ratios, statistics.median)
+            cells.append(f"{statistics.median(ratios):.4f} ({low:.4f}-{high:.4f})")
+            used.append(len(ratios))
+            base_ms += [b[i] for b, _ in twins]
+        what = f"forward step {i + 1} ({statistics.median(base_ms):.0f} ms), over the opted-out wave's"
+        lines.append(f"| {level} | {what} ({min(used)} waves) | | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def phase_table(level: int, at: Level) -> list[str]:
-    return differences(level, at.phases, list(at.phases[OFF][0])) + forwards_ratio(level, at)
+    phase_rows = differences(level, at.phases, list(at.phases[OFF][0]))
+    return phase_rows + forwards_ratio(level, at) + step_ratios(level, at)
 
 
 HEAD = [
@@ -254,7 +289,8 @@ def main() -> None:
                     engine_call(url, "/resume")  # its trace records at a pause
                     at.trace(trace_records(trace))
                     waves = {a: [asdict(w) for w in at.waves[a]] for a in ARMS}
-                    records.append({"set": n, "level": level, "cpu": at.cpu, "phases": at.phases, **waves})
+                    figures = {"cpu": at.cpu, "phases": at.phases, "steps": at.steps}
+                    records.append({"set": n, "level": level, **figures, **waves})
                     pooled[level].add(at)
                     shown = "\n".join(
                         table(level, at) + phase_table(level, at) + differences(level, at.cpu, ROLES)
