@@ -263,3 +263,30 @@ def test_a_connection_the_sidecar_closed_while_idle_is_tried_once_more_on_a_new_
     finally:
         c.close()
         proc.stop()
+
+
+def test_a_sent_lookup_is_answered_while_the_caller_works_and_a_restart_costs_no_error(tmp_path) -> None:
+    """send_lookup returns once the lookup is sent; its answer waits in the socket until read. A lookup
+    dropped unread costs its connection, not the client's next call. One sent on a connection the
+    sidecar closed while idle (a restart) is asked again on a new one: the same answer."""
+    directory = tmp_path / "kept"
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), "--keep-arena")
+    port = proc.info["port"]
+    c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(directory))
+    keys, tails = [key(1, "a"), key(2, "a")], [[key(3, "a")], [key(1, "a")]]
+    try:
+        assert c.put(key(1, "a"), b"x")
+        sent = c.send_lookup(keys, 1, tails)
+        assert sent is not None
+        assert sent.answer() == (1, 1) == c.lookup_then_first_whole(keys, 1, tails)
+        c.send_lookup(keys, 1, tails).drop()  # type: ignore[union-attr]
+        assert c.lookup(keys) == 1
+    finally:
+        proc.stop()
+    proc = start_sidecar(tmp_path, "1Mi", [], "--arena-dir", str(directory), port=port)
+    try:
+        sent = c.send_lookup(keys, 1, tails)  # on the connection the old sidecar closed
+        assert sent is not None and sent.answer() == (1, 1)
+    finally:
+        c.close()
+        proc.stop()

@@ -32,11 +32,14 @@ from kvpool_sidecar.client_errors import (
     unavailable,
 )
 from kvpool_sidecar.client_transport import (
+    STALE_SOCKET,
     ConnectionPool,
     close_quietly,
     connect_unix,
     frame_round_trip,
     http_round_trip,
+    read_frame,
+    send_frame,
 )
 from kvpool_sidecar.wire import (
     ARENA_FILE,
@@ -49,7 +52,7 @@ from kvpool_sidecar.wire import (
     slot_to_json,
 )
 
-__all__ = ["Pinned", "SidecarClient", "Slot", "checksum"]
+__all__ = ["Pinned", "SentLookup", "SidecarClient", "Slot", "checksum"]
 
 T = TypeVar("T")
 
@@ -166,11 +169,7 @@ class SidecarClient:
             answer = frame_round_trip(pool, op, body)
         except (OSError, EOFError, ValueError) as e:
             raise unavailable(f"control {op} over {self._socket_path_hint()}: {e!r}", e) from e
-        status = answer.get("status")
-        if status != 200:
-            message = f"control {op}: {status}: {answer.get('body', {}).get('error')}"
-            raise status_error(status if isinstance(status, int) else 500, message)
-        return answer["body"]
+        return _control_body(op, answer)
 
     def _socket_path_hint(self) -> str:
         return os.path.join(self._shm_path, CONTROL_SOCKET) if self._shm_path else "the control socket"
@@ -206,10 +205,28 @@ class SidecarClient:
     ) -> tuple[int, int | None]:
         """`lookup(keys)`, and when it is `at`, `first_whole(groups)`, in one round trip. The second
         value means something only when the first is `at`."""
-        body = {"keys": list(keys), "alternatives": [list(g) for g in groups], "alternatives_at": at}
-        answer = self._control("lookup", body)
-        found = answer.get("alternative")
-        return int(answer["hits"]), None if found is None else int(found)
+        return _lookup_answer(self._control("lookup", _lookup_body(keys, at, groups)))
+
+    def send_lookup(self, keys: Sequence[str], at: int, groups: Sequence[Sequence[str]]) -> SentLookup | None:
+        """Sends `lookup_then_first_whole(keys, at, groups)` and returns without its answer, which the
+        sidecar writes into the socket meanwhile: SentLookup.answer() reads it. None where control goes
+        over HTTP (ask with lookup_then_first_whole)."""
+        pool = self._socket_pool()
+        if pool is None:
+            return None
+        body = _lookup_body(keys, at, groups)
+        try:
+            sock, reused = pool.take()
+        except OSError as e:
+            raise unavailable(f"control lookup over {self._socket_path_hint()}: {e!r}", e) from e
+        try:
+            send_frame(sock, "lookup", body)
+        except OSError as e:
+            pool.discard(sock)
+            if reused and isinstance(e, STALE_SOCKET):  # closed by the sidecar while idle: a new one
+                return self.send_lookup(keys, at, groups)
+            raise unavailable(f"control lookup over {self._socket_path_hint()}: {e!r}", e) from e
+        return SentLookup(self, pool, sock, reused, body)
 
     def first_whole(self, groups: Sequence[Sequence[str]]) -> int | None:
         """The index of the first of `groups` whose keys can all be loaded now, or None."""
@@ -338,6 +355,54 @@ class SidecarClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SentLookup:
+    """A lookup sent on its own connection whose answer has not been read yet."""
+
+    def __init__(
+        self,
+        client: SidecarClient,
+        pool: ConnectionPool[socket.socket],
+        sock: socket.socket,
+        reused: bool,
+        body: dict,
+    ) -> None:
+        self._client, self._pool, self._sock, self._reused, self._body = client, pool, sock, reused, body
+
+    def answer(self) -> tuple[int, int | None]:
+        """lookup_then_first_whole's answer. A reused connection that the sidecar had closed is asked
+        again on a new one (the lookup never reached it)."""
+        try:
+            answer = read_frame(self._sock)
+        except (OSError, EOFError, ValueError) as e:
+            self._pool.discard(self._sock)
+            if self._reused and isinstance(e, STALE_SOCKET):
+                return _lookup_answer(self._client._control("lookup", self._body))
+            raise unavailable(f"control lookup over {self._client._socket_path_hint()}: {e!r}", e) from e
+        self._pool.give(self._sock)
+        return _lookup_answer(_control_body("lookup", answer))
+
+    def drop(self) -> None:
+        """Forgets the answer: the connection is closed, not reused (its answer would be read next)."""
+        self._pool.discard(self._sock)
+
+
+def _control_body(op: str, answer: Any) -> Any:
+    status = answer.get("status")
+    if status != 200:
+        message = f"control {op}: {status}: {answer.get('body', {}).get('error')}"
+        raise status_error(status if isinstance(status, int) else 500, message)
+    return answer["body"]
+
+
+def _lookup_body(keys: Sequence[str], at: int, groups: Sequence[Sequence[str]]) -> dict:
+    return {"keys": list(keys), "alternatives": [list(g) for g in groups], "alternatives_at": at}
+
+
+def _lookup_answer(body: Any) -> tuple[int, int | None]:
+    found = body.get("alternative")
+    return int(body["hits"]), None if found is None else int(found)
 
 
 def _slices(entries: list[T]) -> Iterator[list[T]]:

@@ -33,24 +33,34 @@ class ConnectionPool(Generic[C]):
         self._idle: list[C] = []
         self._lock = threading.Lock()
 
-    @contextmanager
-    def connection(self) -> Iterator[tuple[C, bool]]:
-        """Yields (connection, reused). A connection that raised is closed, not returned."""
+    def take(self) -> tuple[C, bool]:
+        """(an idle connection or a new one, whether it was idle); the caller gives it back or closes it."""
         with self._lock:
             conn = self._idle.pop() if self._idle else None
-        reused = conn is not None
-        if conn is None:
-            conn = self._connect()
-        try:
-            yield conn, reused
-        except BaseException:
-            self._close(conn)
-            raise
+        return (conn, True) if conn is not None else (self._connect(), False)
+
+    def give(self, conn: C) -> None:
+        """Keeps a connection that answered in full for reuse (or closes it when enough are idle)."""
         with self._lock:
             if len(self._idle) < self._keep:
                 self._idle.append(conn)
                 return
         self._close(conn)
+
+    def discard(self, conn: C) -> None:
+        """Closes a connection whose state is unknown (it raised, or its answer was left unread)."""
+        self._close(conn)
+
+    @contextmanager
+    def connection(self) -> Iterator[tuple[C, bool]]:
+        """Yields (connection, reused). A connection that raised is closed, not returned."""
+        conn, reused = self.take()
+        try:
+            yield conn, reused
+        except BaseException:
+            self.discard(conn)
+            raise
+        self.give(conn)
 
     def round_trip(
         self, ask: Callable[[C], A], finish: Callable[[C, A], R], stale: tuple[type[BaseException], ...]
@@ -129,16 +139,26 @@ def frame_round_trip(pool: ConnectionPool[socket.socket], op: str, body: dict) -
     """The answer frame to one control frame; raises OSError, EOFError or ValueError."""
 
     def ask(sock: socket.socket) -> bytes:
-        sock.sendall(encode_frame({"op": op, "body": body}))
+        send_frame(sock, op, body)
         return _recv_exactly(sock, FRAME_HEADER.size)
 
-    def finish(sock: socket.socket, header: bytes) -> Any:
-        (size,) = FRAME_HEADER.unpack(header)
-        if size > MAX_FRAME_BYTES:
-            raise SidecarUnavailable("control frame too large")
-        return json.loads(_recv_exactly(sock, size))
+    return pool.round_trip(ask, read_frame_body, STALE_SOCKET)
 
-    return pool.round_trip(ask, finish, STALE_SOCKET)
+
+def send_frame(sock: socket.socket, op: str, body: dict) -> None:
+    sock.sendall(encode_frame({"op": op, "body": body}))
+
+
+def read_frame(sock: socket.socket) -> Any:
+    """The next answer frame on `sock`; raises OSError, EOFError or ValueError."""
+    return read_frame_body(sock, _recv_exactly(sock, FRAME_HEADER.size))
+
+
+def read_frame_body(sock: socket.socket, header: bytes) -> Any:
+    (size,) = FRAME_HEADER.unpack(header)
+    if size > MAX_FRAME_BYTES:
+        raise SidecarUnavailable("control frame too large")
+    return json.loads(_recv_exactly(sock, size))
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
