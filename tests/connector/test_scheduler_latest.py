@@ -3,6 +3,8 @@ real sidecar process: every request finishes and every block is freed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytestmark = pytest.mark.vllm_latest
@@ -204,6 +206,32 @@ def test_a_request_that_must_compute_its_prompt_is_never_looked_up_nor_loaded(ti
         assert not loads_of(outputs)
         assert counters.get("lookups", 0) == 0
         assert len([op for sv in saves_of(outputs) for op in sv.chunks]) == 3
+    assert_empty(s)
+
+
+def test_a_lookup_is_sent_as_vllm_receives_the_request_and_read_when_schedule_asks(
+    tiny_model, sidecar
+) -> None:
+    """The lookup's round trip overlaps what vLLM does between receiving a request and scheduling it
+    (the step it is running, a pause): the sidecar has answered it before schedule() runs, and
+    schedule() reads that answer instead of asking again. The hit is the same."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    tokens = prompt(96, 16)
+    store_chunks(s, client, tokens, 2)
+    asked = lambda: (lambda st: st["hits"] + st["misses"])(client.stats())  # noqa: E731
+    before = asked()
+    s.add_request(make_request(tokens))
+    deadline = time.monotonic() + 5
+    while asked() == before:  # the sidecar answers on its own time; nothing waits for it here
+        assert time.monotonic() < deadline, "no lookup reached the sidecar when vLLM received the request"
+        time.sleep(0.01)
+    on_arrival = asked()
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters)
+    assert first_computed(outputs) == 64  # the two stored chunks, as a lookup in schedule() finds
+    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (1, 1)
+    assert asked() == on_arrival  # no second round trip
     assert_empty(s)
 
 

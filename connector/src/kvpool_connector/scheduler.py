@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvpool_sidecar.client import SentLookup
 from kvpool_sidecar.client_errors import SidecarError, SidecarTimeout
 
 from .breaker import BREAKER_SECONDS, Breaker
@@ -55,6 +56,30 @@ class _Asked:
 
 
 @dataclass
+class _Plan:
+    """A lookup's question: the prompt's spans up to `limit` and their links, the keys of their prefix,
+    and the shorter tails asked for in the same round trip, at the chunk `guess`."""
+
+    spans: list[Span]
+    links: list[bytes]
+    keys: list[str]
+    limit: int
+    guess: int
+    tails: list[Span]
+    groups: list[list[str]]
+
+
+@dataclass
+class _Sent:
+    """A plan sent to the sidecar when vLLM received the request, whose answer is read when vLLM asks."""
+
+    plan: _Plan
+    at: float
+    lookup: SentLookup
+    read: bool = False  # answered or dropped
+
+
+@dataclass
 class _ReqState:
     request: Request
     extras: Extras | None = None  # what besides tokens its keys cover (None: tokens only)
@@ -70,6 +95,7 @@ class _ReqState:
     # and ask again, forever.
     load_failed: bool = False
     asked: _Asked | None = None  # the last lookup's answer while the request waits to be scheduled
+    sent: _Sent | None = None  # its lookup, sent on arrival and not read yet
 
 
 class KVPoolScheduler:
@@ -151,8 +177,21 @@ class KVPoolScheduler:
         return None
 
     def track(self, request: Request) -> None:
-        """Starts tracking a request when vLLM receives it (so it saves even if never looked up)."""
-        self._state(request)
+        """Starts tracking a request when vLLM receives it (so it saves even if never looked up), and
+        sends its lookup: the sidecar answers while vLLM finishes the step it is running (or while it
+        is paused), and the lookup in schedule() reads the answer instead of making the round trip."""
+        st = self._state(request)
+        if st.sent is not None or self._two_lookups or not self._load_allowed(request) or self._breaker.open:
+            return
+        plan = self._plan(st, request, 0)
+        if not isinstance(plan, _Plan):
+            return
+        try:
+            sent = self.client.send_lookup(plan.keys, plan.guess * self._per_chunk, plan.groups)
+        except SidecarError:  # asked again, in schedule()
+            return
+        if sent is not None:
+            st.sent = _Sent(plan, self._clock(), sent)
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -195,7 +234,13 @@ class KVPoolScheduler:
         now = self._clock()
         return any(now - at < SAVE_WAIT_SECONDS for _, at in filter(None, map(self._unsaved.get, links)))
 
-    def _lookup(self, st: _ReqState, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    @property
+    def _per_chunk(self) -> int:
+        """Keys a chunk has in a lookup: every prefix group's, every rank's."""
+        return self.ranks * len(self._prefix_groups)
+
+    def _plan(self, st: _ReqState, request: Request, num_computed_tokens: int) -> _Plan | tuple[int, bool]:
+        """What to ask the sidecar, or the answer when there is nothing to ask."""
         # a full-prompt hit still recomputes the last token: vLLM needs its logits
         limit = align_down(request.num_prompt_tokens - 1, self.block_size)
         spans = [
@@ -206,6 +251,61 @@ class KVPoolScheduler:
         links = self._links(st, spans)
         if links is None:
             return 0, False
+        # chunk by chunk, every prefix group's and rank's key: the prefix found, in whole chunks, is
+        # what all of them have
+        keys = [k for link in links for k in self._prefix_keys(link)]
+        # A miss's shorter tails are asked in the same round trip, for the chunk the prompt most likely
+        # misses at: the first one vLLM has not computed itself (all of a prompt with no reuse). A miss
+        # elsewhere asks for its tails again. (A hybrid model with windowed groups asks in _windowed_hit.)
+        guess = next(i for i, s in enumerate(spans) if s[1] > num_computed_tokens)
+        tails: list[Span] = []
+        groups: list[list[str]] = []
+        if not self._two_lookups:
+            tails, groups = self._tail_groups(st, spans[guess], num_computed_tokens, limit)
+        return _Plan(spans, links, keys, limit, guess, tails, groups)
+
+    @property
+    def _two_lookups(self) -> bool:
+        """A hybrid model with windowed groups: the prefix, then the windows (_windowed_hit)."""
+        return bool(self.full_groups and self.windowed_groups)
+
+    def _ask(self, plan: _Plan, sent: _Sent | None) -> tuple[int, int | None, bool]:
+        """lookup_then_first_whole for `plan`, and whether its tails were asked: the answer to the
+        lookup sent on arrival where it asked the same keys less than REASK_SECONDS ago, else a round
+        trip now. The lookup sent on arrival asked the tails at the chunk a prompt with no local hit
+        misses at; where vLLM's local hit moved that chunk, only its prefix found stands (a chunk's
+        keys do not depend on how much vLLM computed)."""
+        if sent is not None:
+            sent.read = True
+            if sent.plan.keys == plan.keys and self._clock() - sent.at < REASK_SECONDS:
+                self.stats.add("lookups_sent_on_arrival")
+                found_keys, found = sent.lookup.answer()
+                return found_keys, found, (sent.plan.guess, sent.plan.groups) == (plan.guess, plan.groups)
+            sent.lookup.drop()
+        at = plan.guess * self._per_chunk
+        found_keys, found = self.client.lookup_then_first_whole(plan.keys, at, plan.groups)
+        return found_keys, found, True
+
+    def _lookup(self, st: _ReqState, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        sent, st.sent = st.sent, None
+        try:
+            return self._look(st, request, num_computed_tokens, sent)
+        finally:
+            if sent is not None and not sent.read:  # nothing was asked: its answer is not needed
+                sent.lookup.drop()
+
+    def _look(
+        self, st: _ReqState, request: Request, num_computed_tokens: int, sent: _Sent | None
+    ) -> tuple[int | None, bool]:
+        # the plan sent on arrival is this one where vLLM computed nothing itself
+        plan = (
+            sent.plan
+            if sent is not None and not num_computed_tokens
+            else self._plan(st, request, num_computed_tokens)
+        )
+        if not isinstance(plan, _Plan):
+            return plan
+        spans, links, limit = plan.spans, plan.links, plan.limit
         ahead = [link for s, link in zip(spans, links, strict=True) if s[1] > num_computed_tokens]
         if self._unsaved and self._saving(ahead):
             self.stats.add("lookups_deferred")
@@ -213,26 +313,18 @@ class KVPoolScheduler:
         if self._breaker.open:
             self.stats.add("lookups_skipped")
             return 0, False
-        # chunk by chunk, every prefix group's and rank's key: the prefix found, in whole chunks, is
-        # what all of them have
-        keys = [k for link in links for k in self._prefix_keys(link)]
-        per_chunk = self.ranks * len(self._prefix_groups)
+        per_chunk = self._per_chunk
         self.stats.add("lookups")
         try:
             if self.full_groups and self.windowed_groups:
-                hits = self._hits(self.client.lookup(keys), per_chunk, links)
+                hits = self._hits(self.client.lookup(plan.keys), per_chunk, links)
                 hit_spans = self._windowed_hit(st, spans, hits, num_computed_tokens, limit)
             else:
-                # A miss's shorter tails are asked in the same round trip, for the chunk the prompt
-                # most likely misses at: the first one vLLM has not computed itself (all of a prompt
-                # with no reuse). A miss elsewhere asks for its tails again.
-                guess = next(i for i, s in enumerate(spans) if s[1] > num_computed_tokens)
-                tails, groups = self._tail_groups(st, spans[guess], num_computed_tokens, limit)
-                found_keys, found = self.client.lookup_then_first_whole(keys, guess * per_chunk, groups)
+                found_keys, found, tails_asked = self._ask(plan, sent)
                 hits = self._hits(found_keys, per_chunk, links)
                 hit_spans = spans[:hits]
-                if found_keys == guess * per_chunk:
-                    tail = None if found is None else tails[found]
+                if found_keys == plan.guess * per_chunk and tails_asked:
+                    tail: Span | None = None if found is None else plan.tails[found]
                 elif hits < len(spans):
                     tail = self._saved_tail(st, spans[hits], num_computed_tokens, limit)
                 else:
@@ -559,7 +651,9 @@ class KVPoolScheduler:
                 st.saved = {s for s in st.saved if s[1] <= first_bad * self.block_size}
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self.reqs.pop(request.request_id, None)
+        st = self.reqs.pop(request.request_id, None)
+        if st is not None:
+            self._forget_sent(st)
         # its blocks may be freed now: a save still reading one is fenced when vLLM hands it out again
         return False, None
 
@@ -575,6 +669,7 @@ class KVPoolScheduler:
             st.links.clear()
             st.saved.clear()
             st.lookup = None
+            self._forget_sent(st)  # it asked for the old generation's keys
         log.info("kvpool: cache reset: chunks saved before are never loaded by this engine again")
         return True
 
@@ -584,5 +679,12 @@ class KVPoolScheduler:
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take() if self.events is not None else []
 
+    def _forget_sent(self, st: _ReqState) -> None:
+        if st.sent is not None:
+            st.sent.lookup.drop()
+            st.sent = None
+
     def shutdown(self) -> None:
+        for st in self.reqs.values():
+            self._forget_sent(st)
         self.client.close()
