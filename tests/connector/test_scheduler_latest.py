@@ -235,6 +235,27 @@ def test_a_lookup_is_sent_as_vllm_receives_the_request_and_read_when_schedule_as
     assert_empty(s)
 
 
+def test_past_the_sent_lookups_bound_a_burst_is_asked_in_schedule(tiny_model, sidecar, monkeypatch) -> None:
+    """Each lookup sent on arrival holds a connection to the sidecar until schedule() reads it: a burst
+    sends SENT_AT_MOST, and the rest are asked in schedule(), as before. Every one finds its hit."""
+    from kvpool_connector import scheduler as kvpool_scheduler
+
+    monkeypatch.setattr(kvpool_scheduler, "SENT_AT_MOST", 2)
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url)
+    prompts = [prompt(96, 40 + i) for i in range(3)]
+    for tokens in prompts:
+        store_chunks(s, client, tokens, 2)
+    requests = [make_request(tokens) for tokens in prompts]
+    for r in requests:
+        s.add_request(r)
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters)
+    assert [first_computed(outputs, r.request_id) for r in requests] == [64, 64, 64]
+    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (3, 2)
+    assert_empty(s)
+
+
 def test_a_longer_next_round_reuses_the_saved_tail_block_by_block(tiny_model, sidecar) -> None:
     """Round 2 of a conversation is round 1's prompt and more: its chunk where round 1's partial tail
     was has another key, so the tail is found as a shorter span of that chunk and loaded."""

@@ -42,6 +42,9 @@ REASK_SECONDS = 1.0
 # A lookup that needs a chunk this engine is saving right now (saver.py) waits for that save, a step
 # or two; a save not reported finished this long after it was planned is waited for no more.
 SAVE_WAIT_SECONDS = 1.0
+# Lookups sent on arrival and not read yet, at most: each holds a connection to the sidecar until
+# schedule() asks. A burst past it is asked in schedule(), as before.
+SENT_AT_MOST = 32
 
 
 @dataclass
@@ -137,6 +140,7 @@ class KVPoolScheduler:
         # have not reported finished (link -> step, time planned; oldest first), which a lookup waits for.
         self._reading: dict[int, int] = {}
         self._unsaved: dict[bytes, tuple[int, float]] = {}
+        self._sent = 0  # lookups sent on arrival and not read yet
 
     # --- keys ------------------------------------------------------------------------------------
 
@@ -181,7 +185,9 @@ class KVPoolScheduler:
         sends its lookup: the sidecar answers while vLLM finishes the step it is running (or while it
         is paused), and the lookup in schedule() reads the answer instead of making the round trip."""
         st = self._state(request)
-        if st.sent is not None or self._two_lookups or not self._load_allowed(request) or self._breaker.open:
+        if st.sent is not None or self._sent >= SENT_AT_MOST or self._two_lookups or self._breaker.open:
+            return
+        if not self._load_allowed(request):
             return
         plan = self._plan(st, request, 0)
         if not isinstance(plan, _Plan):
@@ -192,6 +198,7 @@ class KVPoolScheduler:
             return
         if sent is not None:
             st.sent = _Sent(plan, self._clock(), sent)
+            self._sent += 1
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -287,7 +294,7 @@ class KVPoolScheduler:
         return found_keys, found, True
 
     def _lookup(self, st: _ReqState, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        sent, st.sent = st.sent, None
+        sent = self._take_sent(st)
         try:
             return self._look(st, request, num_computed_tokens, sent)
         finally:
@@ -679,10 +686,16 @@ class KVPoolScheduler:
     def take_events(self) -> list[KVCacheEvent]:
         return self.events.take() if self.events is not None else []
 
+    def _take_sent(self, st: _ReqState) -> _Sent | None:
+        """The request's lookup sent on arrival, now the caller's to read or drop."""
+        sent, st.sent = st.sent, None
+        self._sent -= sent is not None
+        return sent
+
     def _forget_sent(self, st: _ReqState) -> None:
-        if st.sent is not None:
-            st.sent.lookup.drop()
-            st.sent = None
+        sent = self._take_sent(st)
+        if sent is not None:
+            sent.lookup.drop()
 
     def shutdown(self) -> None:
         for st in self.reqs.values():
