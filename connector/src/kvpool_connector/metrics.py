@@ -36,6 +36,11 @@ STATS = (
     Stat("lookups_deferred", "Lookups put off a step: this engine's save of a chunk they need was running"),
     Stat("lookup_seconds", "Seconds the scheduler spent in lookups, round trips to the sidecar included"),
     Stat("lookups_reused", "Lookups of a waiting request answered with its last answer (no round trip)"),
+    Stat(
+        "lookups_sent_on_arrival",
+        "Lookups sent when vLLM received the request and answered before schedule() asked (the round "
+        "trip off the scheduler)",
+    ),
     Stat("hit_tokens", "Prompt tokens offered to vLLM from the kvpool sidecar (loaded, not computed)"),
     Stat("unkeyable_requests", "Requests with an input kvpool cannot key (neither loaded nor saved)"),
     Stat("loaded_chunks", "Chunks loaded from the kvpool sidecar into vLLM's KV cache"),
