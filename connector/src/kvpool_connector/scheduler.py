@@ -224,7 +224,8 @@ class KVPoolScheduler:
         ):
             self.stats.add("lookups_reused")
         else:
-            now = self._clock()  # before the round trip: the answer is at most this old
+            # before the round trip (or when the lookup was sent on arrival): the answer is at most this old
+            now = st.sent.at if st.sent is not None else self._clock()
             started = time.perf_counter()  # what kvpool costs vLLM's scheduler, hit or miss
             found, load_async = self._lookup(st, request, num_computed_tokens)
             self.stats.add("lookup_seconds", time.perf_counter() - started)
