@@ -219,7 +219,11 @@ def test_a_lookup_is_sent_as_vllm_receives_the_request_and_read_when_schedule_as
     s = make_scheduler(tiny_model, url)
     tokens = prompt(96, 16)
     store_chunks(s, client, tokens, 2)
-    asked = lambda: (lambda st: st["hits"] + st["misses"])(client.stats())  # noqa: E731
+
+    def asked() -> int:  # keys the sidecar has been asked for
+        stats = client.stats()
+        return stats["hits"] + stats["misses"]
+
     before = asked()
     s.add_request(make_request(tokens))
     deadline = time.monotonic() + 5

@@ -79,7 +79,6 @@ class _Sent:
     plan: _Plan
     at: float
     lookup: SentLookup
-    read: bool = False  # answered or dropped
 
 
 @dataclass
@@ -284,7 +283,6 @@ class KVPoolScheduler:
         misses at; where vLLM's local hit moved that chunk, only its prefix found stands (a chunk's
         keys do not depend on how much vLLM computed)."""
         if sent is not None:
-            sent.read = True
             if sent.plan.keys == plan.keys and self._clock() - sent.at < REASK_SECONDS:
                 self.stats.add("lookups_sent_on_arrival")
                 found_keys, found = sent.lookup.answer()
@@ -299,7 +297,7 @@ class KVPoolScheduler:
         try:
             return self._look(st, request, num_computed_tokens, sent)
         finally:
-            if sent is not None and not sent.read:  # nothing was asked: its answer is not needed
+            if sent is not None:  # unless its answer was read: nothing asked, or a stale answer
                 sent.lookup.drop()
 
     def _look(
@@ -324,7 +322,7 @@ class KVPoolScheduler:
         per_chunk = self._per_chunk
         self.stats.add("lookups")
         try:
-            if self.full_groups and self.windowed_groups:
+            if self._two_lookups:
                 hits = self._hits(self.client.lookup(plan.keys), per_chunk, links)
                 hit_spans = self._windowed_hit(st, spans, hits, num_computed_tokens, limit)
             else:

@@ -13,13 +13,14 @@ in the arena directory when it can be reached, else over HTTP; bench/sidecar_ben
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import json
 import os
 import secrets
 import socket
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvpool_sidecar.batching import CLIENT_FRAME_ENTRIES
@@ -226,7 +227,8 @@ class SidecarClient:
             if reused and isinstance(e, STALE_SOCKET):  # closed by the sidecar while idle: a new one
                 return self.send_lookup(keys, at, groups)
             raise unavailable(f"control lookup over {self._socket_path_hint()}: {e!r}", e) from e
-        return SentLookup(self, pool, sock, reused, body)
+        again = functools.partial(self.lookup_then_first_whole, keys, at, groups)
+        return SentLookup(pool, sock, reused, again, self._socket_path_hint())
 
     def first_whole(self, groups: Sequence[Sequence[str]]) -> int | None:
         """The index of the first of `groups` whose keys can all be loaded now, or None."""
@@ -358,34 +360,41 @@ class SidecarClient:
 
 
 class SentLookup:
-    """A lookup sent on its own connection whose answer has not been read yet."""
+    """A lookup sent on its own connection whose answer has not been read yet. Its connection goes
+    back to the pool once the answer is read, or is closed by drop(); either happens once."""
 
     def __init__(
         self,
-        client: SidecarClient,
         pool: ConnectionPool[socket.socket],
         sock: socket.socket,
         reused: bool,
-        body: dict,
+        again: Callable[[], tuple[int, int | None]],
+        where: str,
     ) -> None:
-        self._client, self._pool, self._sock, self._reused, self._body = client, pool, sock, reused, body
+        self._pool, self._reused, self._again, self._where = pool, reused, again, where
+        self._sock: socket.socket | None = sock
 
     def answer(self) -> tuple[int, int | None]:
         """lookup_then_first_whole's answer. A reused connection that the sidecar had closed is asked
         again on a new one (the lookup never reached it)."""
+        sock, self._sock = self._sock, None
+        assert sock is not None, "a sent lookup is answered once"
         try:
-            answer = read_frame(self._sock)
+            answer = read_frame(sock)
         except (OSError, EOFError, ValueError) as e:
-            self._pool.discard(self._sock)
+            self._pool.discard(sock)
             if self._reused and isinstance(e, STALE_SOCKET):
-                return _lookup_answer(self._client._control("lookup", self._body))
-            raise unavailable(f"control lookup over {self._client._socket_path_hint()}: {e!r}", e) from e
-        self._pool.give(self._sock)
+                return self._again()
+            raise unavailable(f"control lookup over {self._where}: {e!r}", e) from e
+        self._pool.give(sock)
         return _lookup_answer(_control_body("lookup", answer))
 
     def drop(self) -> None:
-        """Forgets the answer: the connection is closed, not reused (its answer would be read next)."""
-        self._pool.discard(self._sock)
+        """Forgets the answer unless it was read: the connection is closed, not reused (its answer
+        would be read next)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._pool.discard(sock)
 
 
 def _control_body(op: str, answer: Any) -> Any:
