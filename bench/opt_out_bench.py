@@ -64,8 +64,8 @@ from bench.paired_bench import (
     released,
     wave_ratios,
 )
-from bench.phase_trace import DIR_ENV, plugin_dir
-from bench.phases_bench import REPO, phases, trace_records
+from bench.phase_trace import server_env
+from bench.phases_bench import phases, trace_records
 from bench.server_cpu import ROLES, ServerProcesses, spent
 from bench.stats import bootstrap, load_note
 from bench.workloads_bench import BLOCK, CHUNK, RESULTS, bench_server
@@ -272,8 +272,7 @@ def main() -> None:
             ):
                 trace = Path(d) / "trace"
                 trace.mkdir()
-                path = f"{plugin_dir(Path(d) / 'plugin')}:{REPO}:{os.environ.get('PYTHONPATH', '')}"
-                stack.enter_context(mock.patch.dict(os.environ, {DIR_ENV: str(trace), "PYTHONPATH": path}))
+                stack.enter_context(mock.patch.dict(os.environ, server_env(Path(d) / "plugin", trace)))
                 side = stack.enter_context(sidecar(Path(d) / "sidecar", "2Gi"))
                 spec = kvpool_connector_spec(side, CHUNK)
                 url = stack.enter_context(

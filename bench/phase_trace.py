@@ -40,6 +40,13 @@ def plugin_dir(where: Path) -> Path:
     return where
 
 
+def server_env(plugin_at: Path, records_at: Path) -> dict[str, str]:
+    """The environment a traced server needs: this plugin's entry point (written under `plugin_at`)
+    and the repository on its PYTHONPATH, and where to write its records."""
+    path = f"{plugin_dir(plugin_at)}:{Path(__file__).resolve().parents[1]}:{os.environ.get('PYTHONPATH', '')}"
+    return {DIR_ENV: str(records_at), "PYTHONPATH": path}
+
+
 def _flush() -> None:
     with _lock:
         taken = _records[:]

@@ -28,7 +28,7 @@ from unittest import mock
 
 from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, unique_prompts
 from bench.paired_bench import DEV_MODE, Wave, engine_call, lockstep, start_servers
-from bench.phase_trace import DIR_ENV, plugin_dir
+from bench.phase_trace import server_env
 from bench.stats import load_note
 from bench.workloads_bench import arms
 from kvpool_demo.localrun import HUGE_PAGES
@@ -37,7 +37,6 @@ from kvpool_demo.tinymodel import BENCH, make_model
 SETS = 4
 WAVES = {2: 12, 8: 4}
 SERVERS = (ALONE, KVPOOL)
-REPO = Path(__file__).resolve().parents[1]
 
 
 def trace_records(where: Path) -> list[dict[str, Any]]:
@@ -108,14 +107,13 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="kvpool-phases-", dir="/dev/shm") as d,
         mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}),
     ):
-        path = f"{plugin_dir(Path(d) / 'plugin')}:{REPO}:{os.environ.get('PYTHONPATH', '')}"
         for n in range(SETS):
             order = SERVERS if n % 2 == 0 else SERVERS[::-1]
             traces = {s: Path(d) / f"set{n}" / f"trace{i}" for i, s in enumerate(SERVERS)}
             for where in traces.values():
                 where.mkdir(parents=True)
             with contextlib.ExitStack() as stack:
-                envs = {s: {DIR_ENV: str(traces[s]), "PYTHONPATH": path} for s in SERVERS}
+                envs = {s: server_env(Path(d) / "plugin", traces[s]) for s in SERVERS}
                 urls = start_servers(every, order, Path(d) / f"set{n}", stack, envs.__getitem__)
                 waves = {
                     lv: lockstep(urls, unique_prompts(nw * lv, seed=50_000 + 100 * n + lv), lv)
