@@ -14,6 +14,7 @@ The chunk namespace names the layout, so the two formats never meet.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -51,6 +52,7 @@ class PagedLayer:
         self.num_blocks = cache.shape[0]
         self.page_bytes = cache[0].numel() * cache.element_size()
         self.dense = _block_is_dense(cache)
+        self._page_rows: np.ndarray | None = None  # CPU, dense: the pages as one array, made once
         if self.dense:
             self.pages = _rows(cache, torch.uint8)  # (num_blocks, page_bytes) over the same storage
             # the rows the gather and CUDA's scatter index: as int64 words on CUDA where they align
@@ -87,9 +89,14 @@ class PagedLayer:
 
     def block_buffers(self, block_ids: list[int]) -> list[memoryview]:
         """The bytes of blocks `block_ids` in the order gather() writes them, as buffers to hash
-        (CPU only): the pages themselves when dense, else one copy in logical order."""
+        (CPU only): the pages themselves when dense, else one copy in logical order. A page is a row
+        of one buffer over the pages, made once: a tensor index per block held the GIL, beside the
+        forward, four times as long."""
         if self.dense:
-            return [host_bytes(self.pages[b]) for b in block_ids]
+            if self._page_rows is None:
+                self._page_rows = self.pages.numpy()
+            rows = self._page_rows
+            return [memoryview(rows[b]) for b in block_ids]
         ids = torch.tensor(block_ids, dtype=torch.int64)
         return [host_bytes(self.cache.index_select(0, ids).contiguous().view(torch.uint8).reshape(-1))]
 
