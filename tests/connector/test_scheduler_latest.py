@@ -3,6 +3,7 @@ real sidecar process: every request finishes and every block is freed."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -256,6 +257,36 @@ def test_past_the_sent_lookups_bound_a_burst_is_asked_in_schedule(tiny_model, si
     counters: dict = {}
     outputs = run_to_end(s, counters=counters)
     assert [first_computed(outputs, r.request_id) for r in requests] == [64, 64, 64]
+    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (3, 2)
+    assert_empty(s)
+
+
+def test_a_lookup_sent_on_arrival_stands_through_the_next_step_however_long_the_steps(
+    tiny_model, sidecar
+) -> None:
+    """On a CPU engine a prefill step takes 1-2 s, so a request that waited one out behind the token
+    budget was asked again inside schedule(): its answer from arrival was older than REASK_SECONDS.
+    That answer now stands through the step after the one it arrived in, however long; a request
+    first asked later than that is asked again. Every one finds what is stored."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url, batched=64)  # 64 tokens a step
+    clock = itertools.count(1000.0, 5.0)  # each look at the clock is 5 s after the last: long steps
+    s.connector.scheduler._clock = lambda: next(clock)
+    tokens = [prompt(96, 70 + i) for i in range(3)]
+    store_chunks(s, client, tokens[2], 2)  # the third's first 64 tokens
+    requests = [make_request(t) for t in tokens]
+    for r in requests:
+        s.add_request(r)
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters)
+    first_step = [
+        next(i for i, so in enumerate(outputs) if r.request_id in so.num_scheduled_tokens) for r in requests
+    ]
+    # the budget: the first in steps 0 and 1, the second in 1 and 2; the third is asked in step 3 and,
+    # its load done, computes from step 4
+    assert first_step == [0, 1, 4]
+    assert [first_computed(outputs, r.request_id) for r in requests] == [0, 0, 64]
+    # the first two read their answers from arrival (the second after a long step); the third asks again
     assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (3, 2)
     assert_empty(s)
 

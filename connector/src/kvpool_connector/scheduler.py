@@ -78,6 +78,7 @@ class _Sent:
 
     plan: _Plan
     at: float
+    step: int  # schedule() calls before it was sent
     lookup: SentLookup
 
 
@@ -196,7 +197,7 @@ class KVPoolScheduler:
         except SidecarError:  # asked again, in schedule()
             return
         if sent is not None:
-            st.sent = _Sent(plan, self._clock(), sent)
+            st.sent = _Sent(plan, self._clock(), self._steps, sent)
             self._sent += 1
 
     def _state(self, request: Request) -> _ReqState:
@@ -278,12 +279,16 @@ class KVPoolScheduler:
 
     def _ask(self, plan: _Plan, sent: _Sent | None) -> tuple[int, int | None, bool]:
         """lookup_then_first_whole for `plan`, and whether its tails were asked: the answer to the
-        lookup sent on arrival where it asked the same keys less than REASK_SECONDS ago, else a round
-        trip now. The lookup sent on arrival asked the tails at the chunk a prompt with no local hit
+        lookup sent on arrival where it asked the same keys, else a round trip now. That answer stands
+        for REASK_SECONDS, and however long the step running at arrival and the one after it take: it
+        is what vLLM would have been told at arrival, and a CPU engine's prefill steps of 1-2 s made
+        every request that waited one out ask again inside schedule(). (A chunk evicted since is a
+        failed load, recomputed; one this engine is saving defers the lookup, in _look.) The lookup sent on arrival asked the tails at the chunk a prompt with no local hit
         misses at; where vLLM's local hit moved that chunk, only its prefix found stands (a chunk's
         keys do not depend on how much vLLM computed)."""
         if sent is not None:
-            if sent.plan.keys == plan.keys and self._clock() - sent.at < REASK_SECONDS:
+            fresh = self._clock() - sent.at < REASK_SECONDS or self._steps <= sent.step + 1
+            if sent.plan.keys == plan.keys and fresh:
                 self.stats.add("lookups_sent_on_arrival")
                 found_keys, found = sent.lookup.answer()
                 return found_keys, found, (sent.plan.guess, sent.plan.groups) == (plan.guess, plan.groups)
