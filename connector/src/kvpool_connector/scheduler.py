@@ -283,9 +283,10 @@ class KVPoolScheduler:
         for REASK_SECONDS, and however long the step running at arrival and the one after it take: it
         is what vLLM would have been told at arrival, and a CPU engine's prefill steps of 1-2 s made
         every request that waited one out ask again inside schedule(). (A chunk evicted since is a
-        failed load, recomputed; one this engine is saving defers the lookup, in _look.) The lookup sent on arrival asked the tails at the chunk a prompt with no local hit
-        misses at; where vLLM's local hit moved that chunk, only its prefix found stands (a chunk's
-        keys do not depend on how much vLLM computed)."""
+        failed load, recomputed; one this engine is saving defers the lookup, in _look.)
+        The lookup sent on arrival asked the tails at the chunk a prompt with no local hit misses at;
+        where vLLM's local hit moved that chunk, only its prefix found stands (a chunk's keys do not
+        depend on how much vLLM computed)."""
         if sent is not None:
             fresh = self._clock() - sent.at < REASK_SECONDS or self._steps <= sent.step + 1
             if sent.plan.keys == plan.keys and fresh:
