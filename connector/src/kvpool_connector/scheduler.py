@@ -90,6 +90,7 @@ class _ReqState:
     links: list[bytes] = field(default_factory=list)  # chain links of full chunks, extended lazily
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved: set[Span] = field(default_factory=set)  # spans known to be in the sidecar
+    prompt_spans: list[Span] | None = None  # its prompt's chunks, made at its first save plan
     lookup: tuple[int, list[Span]] | None = None  # (num_computed_tokens asked, hit spans)
     load: Span | None = None  # tokens to load in the request's next scheduled step
     loading: set[int] = field(default_factory=set)  # the blocks of its load in flight
@@ -591,9 +592,11 @@ class KVPoolScheduler:
         request = st.request
         if not self._save_allowed(request):
             return None
-        spans = prompt_spans(request.num_prompt_tokens, self.cfg, self.block_size)
+        if st.prompt_spans is None:  # planned every step the request runs: made once
+            st.prompt_spans = prompt_spans(request.num_prompt_tokens, self.cfg, self.block_size)
+        spans = st.prompt_spans
         if self.cfg.save_decode_cache:
-            spans += decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
+            spans = spans + decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
         todo = [s for s in spans if s[1] <= computed_end and s not in st.saved]
         st.saved.update(todo)  # saved now, or never: a block out of the window never comes back
         if not todo or (links := self._links(st, todo)) is None:
