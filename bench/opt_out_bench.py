@@ -72,7 +72,7 @@ from bench.workloads_bench import BLOCK, CHUNK, RESULTS, bench_server
 from kvpool_connector.config import load_config
 from kvpool_connector.spans import prompt_spans
 from kvpool_demo.localrun import HUGE_PAGES, kvpool_connector_spec, sidecar, sidecar_stats
-from kvpool_demo.openai_driver import client, counters
+from kvpool_demo.openai_driver import client
 from kvpool_demo.tinymodel import BENCH, make_model
 from kvpool_demo.workloads import Turn
 
@@ -253,8 +253,6 @@ PHASE_HEAD = [
     "| concurrency | phase, ms a wave | opted out | on - opted out | control: again - opted out |",
     "| --- " * 5 + "|",
 ]
-# kvpool's counters on vLLM's /metrics: how many chunks were saved, and copied while their step ran
-SAVES = {"saved": "vllm:kvpool_saved_chunks_total", "in_forward": "vllm:kvpool_saves_copied_in_forward_total"}
 CPU_HEAD = [
     "| concurrency | CPU time, ms a wave | opted out | on - opted out | control: again - opted out |",
     "| --- " * 5 + "|",
@@ -285,9 +283,7 @@ def main() -> None:
                 print(f"set {n}: server up ({load_note()})", flush=True)
                 for level in ROUNDS:
                     t0 = time.perf_counter()
-                    saves_before = counters(url, SAVES)
                     at = run_level(url, side, procs, level, seed=30_000 + 100 * n + level)
-                    saves = {k: v - saves_before[k] for k, v in counters(url, SAVES).items()}
                     engine_call(url, "/pause?mode=keep&clear_cache=false")  # the engine core writes
                     engine_call(url, "/resume")  # its trace records at a pause
                     at.trace(trace_records(trace))
@@ -299,8 +295,6 @@ def main() -> None:
                         table(level, at) + phase_table(level, at) + differences(level, at.cpu, ROLES)
                     )
                     print(shown, f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-                    copied, saved = saves["in_forward"], saves["saved"]
-                    print(f"saves: {copied:.0f} of {saved:.0f} chunks copied during their step's forward")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "opt-out.json").write_text(json.dumps(records))
     print(f"\nPooled over {SETS} sets, 95% intervals over the rounds ({load_note()}):")

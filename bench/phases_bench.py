@@ -64,7 +64,7 @@ def phases(wave: Wave, records: list[dict[str, Any]]) -> dict[str, float]:
         "decode: forwards": later,
         "decode: the rest": decode - later,
         "decode: the rest: schedule()": total("schedule", False),
-        "saves: the save thread's wall time (on the CPU from a step's first written layer)": sum(
+        "saves (kvpool's save thread, beside the forwards)": sum(
             r["t1"] - r["t0"] for r in during if r["phase"] == "save"
         ),
     }

@@ -7,11 +7,9 @@ import os
 import signal
 
 import torch
-from kvtest import wait_until
 from workerkit import Layers, chunk_ops, make_layers, run_loads, save
 
 from kvpool_connector.breaker import BREAKER_SECONDS, Breaker
-from kvpool_connector.chunk_io import Hasher
 from kvpool_connector.common import ChunkOp, LoadSpec, SaveSpec, StepPlan
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import rank_key
@@ -140,36 +138,6 @@ def test_a_step_reusing_blocks_waits_for_their_saves_and_a_hung_sidecars_saves_a
         assert torch.equal(old[3], d[0]) and torch.equal(old[7], d[1])
 
 
-def test_a_cpu_steps_saves_copy_each_layer_as_the_forward_writes_it_before_the_step_ends(
-    sidecar_factory,
-) -> None:
-    """On the CPU a step's saves go to the save thread at the forward's first written layer and copy
-    each layer as vLLM reports it written (save_kv_layer): the copies overlap the forward, not the next
-    step. A layer not reported yet is never read: its blocks still hold the last step's bytes."""
-    proc = sidecar_factory("16Mi")
-    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=4)
-    op = chunk_ops([[2, 5]])[0]
-    meta = StepPlan(saves=[SaveSpec("a", 0, [op])], step=1)
-    for name, t in src_layers:  # the forward writes a layer's KV, then vLLM reports it
-        t[[2, 5]] = torch.randn_like(t[[2, 5]])
-        src.save_layer(name, meta)
-    copied: dict[str, float] = {}
-
-    def copied_in_forward() -> bool:
-        for name, value in (src.take_stats() or {}).items():
-            copied[name] = copied.get(name, 0) + value
-        return copied.get("saves_copied_in_forward", 0) == 1
-
-    wait_until(copied_in_forward, what="the step's save copied before the step ended")
-    src.finish_step(meta)
-    assert src.saver.drain(30)
-    copied_in_forward()
-    assert copied["saved_chunks"] == 1
-    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", [ChunkOp(op.link, 2, [0, 1])])])) == set()
-    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):  # every layer as the forward wrote it
-        assert torch.equal(s[2], d[0]) and torch.equal(s[5], d[1])
-
-
 def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(sidecar_factory) -> None:
     """The worker pins without the sidecar's check and verifies each chunk after copying it: a chunk
     changed in the arena (and the request's chunks after it) become load errors; the sidecar re-checks
@@ -268,13 +236,13 @@ def test_the_save_and_load_threads_copy_on_one_thread_not_the_forwards_openmp_te
         proc = sidecar_factory("16Mi")
         src, dst, _, _ = _two_workers(proc.info["url"], seed=6)
         seen: dict[str, int] = {}
-        save_cpu_layer = src.io.save_cpu_layer
+        save_cpu = src.io.save_cpu
 
-        def counted(chunk: torch.Tensor, op: ChunkOp, layer: int, ids: torch.Tensor, h: Hasher) -> None:
+        def counted(chunk: torch.Tensor, op: ChunkOp) -> int:
             seen["save"] = torch.get_num_threads()
-            save_cpu_layer(chunk, op, layer, ids, h)
+            return save_cpu(chunk, op)
 
-        src.io.save_cpu_layer = counted  # type: ignore[method-assign]
+        src.io.save_cpu = counted  # type: ignore[method-assign]
         saves = chunk_ops([[0, 1]])
         save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
         assert run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)])) == set()

@@ -19,8 +19,6 @@ from kvpool_sidecar.wire import checksum, checksum_pieces
 from .common import ChunkOp
 from .paged import PagedLayer, host_bytes
 
-Hasher = xxhash.xxh3_64
-
 
 class ChunkIO:
     def __init__(self, layers: list[PagedLayer], groups: list[list[int]] | None = None) -> None:
@@ -83,18 +81,11 @@ class ChunkIO:
         h = xxhash.xxh3_64()
         ids = self.ids(op)
         for i in self.groups[op.group]:
-            self.save_cpu_layer(chunk, op, i, ids, h)
+            layer = self.layers[i]
+            layer.gather(ids, self.rows(chunk, op.chunk_blocks, i))
+            for buf in layer.block_buffers(op.block_ids):
+                h.update(buf)
         return h.intdigest()
-
-    def save_cpu_layer(
-        self, chunk: torch.Tensor, op: ChunkOp, layer: int, ids: torch.Tensor, h: Hasher
-    ) -> None:
-        """Copies one layer of `op`'s blocks (`ids`) into a chunk and adds the source blocks to the
-        chunk's checksum `h`; the caller takes the group's layers in order, as save_cpu does."""
-        paged = self.layers[layer]
-        paged.gather(ids, self.rows(chunk, op.chunk_blocks, layer))
-        for buf in paged.block_buffers(op.block_ids):
-            h.update(buf)
 
     # --- CUDA: through private pinned buffers, on a side stream ------------------------------------
 

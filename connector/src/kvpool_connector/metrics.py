@@ -51,11 +51,6 @@ STATS = (
     Stat("failed_load_requests", "Requests whose load failed: recomputed, never offered a hit again"),
     Stat("saved_chunks", "Chunks saved into the kvpool sidecar"),
     Stat("saved_bytes", "Bytes saved into the kvpool sidecar"),
-    Stat(
-        "saves_copied_in_forward",
-        "Chunks a CPU engine copied out of vLLM's blocks while the step that wrote them still ran (each "
-        "layer as the forward wrote it), not beside the next step",
-    ),
     Stat("save_seconds", "Seconds the save thread spent saving chunks (per step, summed; off the step)"),
     Stat("save_fenced_chunks", "Chunks not saved: vLLM reused their blocks before a slow sidecar took them"),
     Stat("save_fence_seconds", "Seconds vLLM's steps waited, before running, for saves of blocks they reuse"),

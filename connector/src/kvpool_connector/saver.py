@@ -10,11 +10,6 @@ and sliding-window-freed blocks alike, without holding a block past its request.
 FENCE_SECONDS for a slow sidecar, then drops the saves that have not started copying (a future miss);
 a copy in progress is memory speed and is waited for. On CUDA the saves copy from private bounce
 buffers filled on a side stream during the forward, so they read no block after the step.
-
-On the CPU a step's saves are queued at its forward's first written layer, and copy each layer as the
-forward reports it written (WrittenLayers): the copies overlap the forward, whose prefill steps are
-bound by compute, instead of the next step, a decode bound by memory that the copies slowed by 3.6%
-(BENCHMARKS.md, #24). The step's end marks every layer written.
 """
 
 from __future__ import annotations
@@ -37,49 +32,11 @@ CLOSE_DRAIN_SECONDS = 5.0
 QUEUED, COPYING, COPIED, FENCED = "queued", "copying", "copied", "fenced"  # QUEUED: not copying yet
 
 
-class WrittenLayers:
-    """The layers a step's forward has written so far (vLLM reports each after its attention), for
-    saves that copy a layer as soon as it is; end() marks them all (the step is over)."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._layers: set[int] = set()
-        self.ended = False
-
-    def mark(self, layer: int) -> None:
-        with self._cv:
-            self._layers.add(layer)
-            self._cv.notify_all()
-
-    def end(self) -> None:
-        with self._cv:
-            self.ended = True
-            self._cv.notify_all()
-
-    def ready(self, layer: int) -> bool:
-        with self._cv:
-            return self.ended or layer in self._layers
-
-    def wait_more(self, seen: int) -> int:
-        """Waits until more than `seen` layers are marked, or the step ended; returns how many are."""
-        with self._cv:
-            self._cv.wait_for(lambda: self.ended or len(self._layers) > seen)
-            return len(self._layers)
-
-
-def _all_written() -> WrittenLayers:
-    written = WrittenLayers()
-    written.end()
-    return written
-
-
 @dataclass(eq=False)
 class SaveJob:
     step: int  # the scheduler's step that planned these saves
     saves: list[Any]  # the worker's chunk saves
     reads_blocks: bool  # copies from vLLM's paged blocks (CPU), not from bounce buffers (CUDA)
-    # which layers may be copied: all, unless the job was queued while its step's forward runs
-    written: WrittenLayers = field(default_factory=_all_written)
     state: str = field(default=QUEUED)
 
     def reads(self, through: int) -> bool:
@@ -101,10 +58,6 @@ class SaveQueue:
         self._last_step = 0
         self._closed = False
         self._thread: threading.Thread | None = None
-
-    @property
-    def threaded(self) -> bool:
-        return self._threaded
 
     def put(self, job: SaveJob) -> bool:
         """Queues a step's saves (the caller has noted its step); False when MAX_QUEUED_STEPS are queued
@@ -203,8 +156,6 @@ class SaveQueue:
         its last steps computed), drops the rest and stops the thread once a copy in progress is done
         (the caller unmaps the arena and frees the blocks next)."""
         with self._cv:
-            for j in self._pending():
-                j.written.end()  # no forward runs any more: a job waiting for its layers copies them
             self._cv.wait_for(lambda: not self._pending(), timeout=drain)
             self._closed = True
             for j in self._pending():

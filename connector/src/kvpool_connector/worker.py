@@ -7,11 +7,9 @@ default, before the forward of the step the request computes in (config.sync_loa
 There vLLM drops the step's output of every request over a failed block and recomputes from it, and
 the worker keeps none of that step's saves.
 
-Saves leave the step (saver.py): a step's chunks go to the save thread, which reserves, copies out and
-commits them with the checksum of the source blocks while vLLM runs on; the sidecar refuses a commit
-whose reservation is no longer this writer's. On the CPU they go at the forward's first written layer
-and each layer is copied as the forward reports it written (save_kv_layer), so the copies overlap the
-forward; the step's end (wait_for_save) lets the rest be copied. A step that reuses blocks a
+Saves leave the step (saver.py): at its end (wait_for_save) a step's chunks go to the save thread,
+which reserves, copies out and commits them with the checksum of the source blocks while vLLM runs on;
+the sidecar refuses a commit whose reservation is no longer this writer's. A step that reuses blocks a
 save has not read yet waits for it first (fence, from vLLM's handle_preemptions). Nothing here raises
 into vLLM: a cache failure is a miss or a recompute.
 
@@ -41,7 +39,7 @@ from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 from .affinity import side_thread
 from .arena_mapping import ArenaMapping
 from .breaker import Breaker
-from .chunk_io import ChunkIO, Hasher
+from .chunk_io import ChunkIO
 from .common import ChunkOp, StepPlan
 from .config import KVPoolConfig, sidecar_client
 from .counters import Counts
@@ -51,7 +49,7 @@ from .loader import ChunkLoader
 from .logs import connector_logger
 from .paged import PagedLayer
 from .ratelimit import RateLimitedLog
-from .saver import SaveJob, SaveQueue, WrittenLayers
+from .saver import SaveJob, SaveQueue
 
 log = connector_logger(__name__)
 
@@ -101,8 +99,6 @@ class KVPoolWorker:
         self._layers_out: set[int] = set()  # layers of _saves already queued
         self._staged_bytes = 0  # pinned bytes held by saves not finished yet
         self._staged_lock = threading.Lock()
-        self._forward_step = -1  # CPU: the step whose forward is reporting its written layers
-        self._forward_job: SaveJob | None = None  # its saves, queued at its first layer (None: none)
         self._saves_refused = False  # the sidecar refused this worker's chunks: saving is off
         self._unsaved_step = -1  # a step whose in-step load failed: none of its saves is kept
         self._save_breaker = Breaker()  # a save waited out its timeout: the next steps do not wait
@@ -240,35 +236,16 @@ class KVPoolWorker:
             self._staged_bytes -= sum(self._bytes(s) for s in saves if s.staged)
 
     def save_layer(self, layer_name: str, meta: StepPlan) -> None:
-        """Called inside the forward as each layer is written: its copy starts at once (on CUDA on the
-        side stream, on the CPU on the save thread). Never raises into vLLM."""
-        if not meta.saves or (i := self.layer_index.get(layer_name)) is None:
+        """Called inside the forward as each layer is written: on CUDA its copy starts at once.
+        Never raises into vLLM."""
+        if self._stream is None or not meta.saves or (i := self.layer_index.get(layer_name)) is None:
             return
         try:
-            if self._stream is not None:
-                self._copy_out_cuda(meta, [i])
-            elif self.saver.threaded:
-                self._written_cpu(meta, i)
+            self._copy_out_cuda(meta, [i])
         except Exception:  # a bug or a CUDA error: no save this step, never a failed forward
             msg = "kvpool: copying out layer %s failed, no save this step"
             self._warn.exception("save-copy", msg, layer_name)
             self._drop_step_saves()
-
-    def _written_cpu(self, meta: StepPlan, layer: int) -> None:
-        """CPU: the forward wrote `layer`. At its step's first, the step's saves are queued, to copy each
-        layer once it is written."""
-        if self._forward_step != meta.step:
-            self._end_forward()  # an earlier step's end was not reported: its forward is over
-            self._forward_step = meta.step
-            self._forward_job = self._queue(meta.step, self._planned(meta), WrittenLayers())
-        if self._forward_job is not None:
-            self._forward_job.written.mark(layer)
-
-    def _end_forward(self) -> None:
-        """CPU: the forward of the step whose saves copy as it writes is over: they may copy every layer."""
-        if self._forward_job is not None:
-            self._forward_job.written.end()
-        self._forward_step, self._forward_job = -1, None
 
     def _drop_step_saves(self) -> None:
         self._unstage(self._saves)
@@ -292,36 +269,22 @@ class KVPoolWorker:
                 self._warn.exception("save-copy", "kvpool: copying out failed, no save this step")
                 self._drop_step_saves()
             saves, self._saves, self._saves_of, self._staged = self._saves, [], None, {}
-        elif self._forward_step == meta.step:  # queued as the forward wrote its first layer
-            saves = []
         else:
             saves = self._planned(meta)
-        self._end_forward()
         self.saver.note(meta.step)
-        self._queue(meta.step, saves)
-
-    def _queue(self, step: int, saves: list[_Save], written: WrittenLayers | None = None) -> SaveJob | None:
-        """Hands a step's saves to the save thread; None when there are none or they are skipped.
-        written: the layers they may copy so far (default: all, the step is over)."""
         if not saves:
-            return None
+            return
         if self._save_breaker.open:  # the sidecar is hung: its saves are skipped, not queued
             self.stats.add("save_skipped_chunks", len(saves))
             self._unstage(saves)
-            return None
-        job = SaveJob(step, saves, reads_blocks=self._stream is None)
-        if written is not None:
-            job.written = written
-        if not self.saver.put(job):
+            return
+        if not self.saver.put(SaveJob(meta.step, saves, reads_blocks=self._stream is None)):
             self.stats.add("save_skipped_chunks", len(saves))  # the sidecar is this far behind
             self._unstage(saves)
-            return None
-        return job
 
     def fence(self, meta: StepPlan) -> None:
         """Before a step that reuses blocks (handle_preemptions): no save of a step <= meta.fence reads
         them any more. Saves a slow sidecar kept from copying in time are dropped: a future miss."""
-        self._end_forward()  # vLLM ended the step before (wait_for_save); never wait on a job's layers
         if meta.fence:
             t0 = time.perf_counter()
             fenced = self.saver.fence(meta.fence)
@@ -374,10 +337,7 @@ class KVPoolWorker:
                     self.client.abort([slot for _, slot in reserved])
                 return
             try:
-                if job.reads_blocks:
-                    written = self._write_blocks(job, reserved)
-                else:
-                    written = self._write_staged(reserved)
+                written = self._write_all(reserved)
             finally:
                 self.saver.end_copy(job)
             committed = self.client.commit(written)
@@ -407,34 +367,9 @@ class KVPoolWorker:
         self.stats.add("saved_chunks", len(done))
         self.stats.add("saved_bytes", sum(slot.length for slot in done))
 
-    def _write_blocks(self, job: SaveJob, reserved: list[tuple[_Save, Slot]]) -> list[tuple[Slot, int]]:
-        """CPU: copies the reserved chunks straight from vLLM's blocks, layer by layer, each layer once
-        the forward has written it; returns each slot with the checksum of its source blocks."""
-        chunks = [self._mapping.slot(slot.epoch, slot.offset, slot.length) for _, slot in reserved]
-        ids = [self.io.ids(s.op) for s, _ in reserved]
-        hashes = [Hasher() for _ in reserved]
-        of_group: dict[int, list[int]] = {}  # the chunks of each KV cache group
-        for n, (s, _) in enumerate(reserved):
-            of_group.setdefault(s.op.group, []).append(n)
-        copied = dict.fromkeys(of_group, 0)  # how many of each group's layers, in its order
-        marked = 0
-        while True:
-            for g, chunks_of in of_group.items():
-                members = self.io.groups[g]
-                while copied[g] < len(members) and job.written.ready(layer := members[copied[g]]):
-                    for n in chunks_of:
-                        self.io.save_cpu_layer(chunks[n], reserved[n][0].op, layer, ids[n], hashes[n])
-                    copied[g] += 1
-            if all(copied[g] == len(self.io.groups[g]) for g in of_group):
-                break
-            marked = job.written.wait_more(marked)
-        if reserved and not job.written.ended:
-            self.stats.add("saves_copied_in_forward", len(reserved))
-        return [(slot, h.intdigest()) for (_, slot), h in zip(reserved, hashes, strict=True)]
-
-    def _write_staged(self, reserved: list[tuple[_Save, Slot]]) -> list[tuple[Slot, int]]:
-        """CUDA: writes the reserved chunks from the step's pinned copy, several at once on the copy
-        threads (each hashes and copies); returns once none writes any more."""
+    def _write_all(self, reserved: list[tuple[_Save, Slot]]) -> list[tuple[Slot, int]]:
+        """Writes the reserved chunks: on CUDA several at once on the copy threads (each hashes and
+        copies); returns once none writes any more."""
         if self._pool is None or len(reserved) < 2:
             return [(slot, self._write(s, slot)) for s, slot in reserved]
         futures = [self._pool.submit(self._write, s, slot) for s, slot in reserved]
@@ -442,9 +377,11 @@ class KVPoolWorker:
         return [(slot, f.result()) for (_, slot), f in zip(reserved, futures, strict=True)]
 
     def _write(self, s: _Save, slot: Slot) -> int:
-        """CUDA: writes one chunk into its reserved slot; returns the checksum of its source bytes."""
+        """Writes one chunk into its reserved slot; returns the checksum of its source bytes."""
         chunk = self._mapping.slot(slot.epoch, slot.offset, slot.length)
-        assert s.staged is not None and s.staged.done is not None, "queued only after the step's copies"
+        if s.staged is None:
+            return self.io.save_cpu(chunk, s.op)
+        assert s.staged.done is not None, "a step's saves are queued only after its copies"
         s.staged.done.synchronize()  # the step's copies into the pinned buffer have run
         st = s.staged
         return self.io.save_staged(chunk, st.buf, st.total, s.first, s.op.chunk_blocks, s.op.group)
