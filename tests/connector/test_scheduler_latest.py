@@ -261,16 +261,18 @@ def test_past_the_sent_lookups_bound_a_burst_is_asked_in_schedule(tiny_model, si
     assert_empty(s)
 
 
+@pytest.mark.parametrize(("seconds", "read"), [(1.5, 2), (20.0, 0)])
 def test_a_lookup_sent_on_arrival_stands_through_the_next_step_however_long_the_steps(
-    tiny_model, sidecar
+    tiny_model, sidecar, seconds: float, read: int
 ) -> None:
     """On a CPU engine a prefill step takes 1-2 s, so a request that waited one out behind the token
     budget was asked again inside schedule(): its answer from arrival was older than REASK_SECONDS.
-    That answer now stands through the step after the one it arrived in, however long; a request
-    first asked later than that is asked again. Every one finds what is stored."""
+    That answer now stands through the step after the one it arrived in, however long, up to
+    SENT_STANDS_SECONDS (an engine paused between steps); a request first asked later than that is
+    asked again. Every one finds what is stored."""
     url, client = sidecar
     s = make_scheduler(tiny_model, url, batched=64)  # 64 tokens a step
-    clock = itertools.count(1000.0, 5.0)  # each look at the clock is 5 s after the last: long steps
+    clock = itertools.count(1000.0, seconds)  # each look at the clock is this long after the last
     s.connector.scheduler._clock = lambda: next(clock)
     tokens = [prompt(96, 70 + i) for i in range(3)]
     store_chunks(s, client, tokens[2], 2)  # the third's first 64 tokens
@@ -286,8 +288,9 @@ def test_a_lookup_sent_on_arrival_stands_through_the_next_step_however_long_the_
     # its load done, computes from step 4
     assert first_step == [0, 1, 4]
     assert [first_computed(outputs, r.request_id) for r in requests] == [0, 0, 64]
-    # the first two read their answers from arrival (the second after a long step); the third asks again
-    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (3, 2)
+    # steps of seconds: the first two read their answers from arrival (the second after a long step),
+    # the third asks again; past SENT_STANDS_SECONDS every one asks again
+    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (3, read)
     assert_empty(s)
 
 

@@ -42,6 +42,9 @@ REASK_SECONDS = 1.0
 # A lookup that needs a chunk this engine is saving right now (saver.py) waits for that save, a step
 # or two; a save not reported finished this long after it was planned is waited for no more.
 SAVE_WAIT_SECONDS = 1.0
+# A lookup sent on arrival stands through the step after the one running at arrival, however long
+# (a CPU engine's prefill takes seconds), but never past this: an engine paused between steps.
+SENT_STANDS_SECONDS = 10.0
 # Lookups sent on arrival and not read yet, at most: each holds a connection to the sidecar until
 # schedule() asks. A burst past it is asked in schedule(), as before.
 SENT_AT_MOST = 32
@@ -281,15 +284,17 @@ class KVPoolScheduler:
     def _ask(self, plan: _Plan, sent: _Sent | None) -> tuple[int, int | None, bool]:
         """lookup_then_first_whole for `plan`, and whether its tails were asked: the answer to the
         lookup sent on arrival where it asked the same keys, else a round trip now. That answer stands
-        for REASK_SECONDS, and however long the step running at arrival and the one after it take: it
-        is what vLLM would have been told at arrival, and a CPU engine's prefill steps of 1-2 s made
-        every request that waited one out ask again inside schedule(). (A chunk evicted since is a
-        failed load, recomputed; one this engine is saving defers the lookup, in _look.)
+        for REASK_SECONDS, and through the step running at arrival and the one after it however long
+        they take (up to SENT_STANDS_SECONDS): it is what vLLM would have been told at arrival, and a
+        CPU engine's prefill steps of 1-2 s made every request that waited one out ask again inside
+        schedule(). (A chunk evicted since is a failed load, recomputed; one this engine is saving
+        defers the lookup, in _look.)
         The lookup sent on arrival asked the tails at the chunk a prompt with no local hit misses at;
         where vLLM's local hit moved that chunk, only its prefix found stands (a chunk's keys do not
         depend on how much vLLM computed)."""
         if sent is not None:
-            fresh = self._clock() - sent.at < REASK_SECONDS or self._steps <= sent.step + 1
+            age = self._clock() - sent.at
+            fresh = age < REASK_SECONDS or (self._steps <= sent.step + 1 and age < SENT_STANDS_SECONDS)
             if sent.plan.keys == plan.keys and fresh:
                 self.stats.add("lookups_sent_on_arrival")
                 found_keys, found = sent.lookup.answer()
