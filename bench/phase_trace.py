@@ -1,6 +1,7 @@
 """A vLLM general plugin that times the engine's phases in any server, vLLM alone or with kvpool, for
-`bench phases`: the scheduler's schedule() and update_from_output() and the engine's pause and resume
-(engine-core process), the worker's execute_model() (the forward), and kvpool's lookups and saves.
+`bench phases`: the scheduler's schedule(), update_from_output() and add_request() and the engine's
+pause and resume (engine-core process), the worker's execute_model() (the forward), and kvpool's
+lookups and saves.
 
 vLLM loads it in its engine-core and worker processes from the entry point that `plugin_dir()` writes
 (put that folder on the server's PYTHONPATH). Each process keeps its records in memory and writes them
@@ -93,6 +94,7 @@ def install() -> None:
 
     _timed(Scheduler, "schedule", "schedule", _tokens)
     _timed(Scheduler, "update_from_output", "update")
+    _timed(Scheduler, "add_request", "add")  # where a connector's on_new_request runs
     _timed(EngineCore, "resume_scheduler", "resume")
     _timed(EngineCoreProc, "pause_scheduler", "pause", flush_if=lambda args, out: True)
     _timed(

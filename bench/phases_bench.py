@@ -60,10 +60,13 @@ def phases(wave: Wave, records: list[dict[str, Any]]) -> dict[str, float]:
         "TTFT: the rest": ttft - forwards,
         "TTFT: the rest: schedule()": total("schedule", True),
         "TTFT: the rest: kvpool's lookups": total("lookup", True),
+        "TTFT: the rest: add_request() (kvpool sends its lookup)": total("add", True),
+        "TTFT: the rest: update_from_output()": total("update", True),
         "decode (first to last token)": decode,
         "decode: forwards": later,
         "decode: the rest": decode - later,
         "decode: the rest: schedule()": total("schedule", False),
+        "decode: the rest: update_from_output()": total("update", False),
         "saves (kvpool's save thread, beside the forwards)": sum(
             r["t1"] - r["t0"] for r in during if r["phase"] == "save"
         ),
