@@ -93,7 +93,7 @@ class _ReqState:
     links: list[bytes] = field(default_factory=list)  # chain links of full chunks, extended lazily
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved: set[Span] = field(default_factory=set)  # spans known to be in the sidecar
-    prompt_spans: list[Span] | None = None  # its prompt's chunks, made at its first save plan
+    prompt_spans: list[Span] | None = None  # its prompt's chunks (_prompt_spans), made once
     lookup: tuple[int, list[Span]] | None = None  # (num_computed_tokens asked, hit spans)
     load: Span | None = None  # tokens to load in the request's next scheduled step
     loading: set[int] = field(default_factory=set)  # the blocks of its load in flight
@@ -255,9 +255,7 @@ class KVPoolScheduler:
         """What to ask the sidecar, or the answer when there is nothing to ask."""
         # a full-prompt hit still recomputes the last token: vLLM needs its logits
         limit = align_down(request.num_prompt_tokens - 1, self.block_size)
-        spans = [
-            s for s in prompt_spans(request.num_prompt_tokens, self.cfg, self.block_size) if s[0] < limit
-        ]
+        spans = [s for s in self._prompt_spans(st) if s[0] < limit]
         if limit <= num_computed_tokens or not spans or not spans[-1][1] > num_computed_tokens:
             return 0, False
         links = self._links(st, spans)
@@ -592,14 +590,18 @@ class KVPoolScheduler:
             and NULL_BLOCK not in blocks
         )
 
+    def _prompt_spans(self, st: _ReqState) -> list[Span]:
+        """The request's prompt chunks, made once: the lookups and every step's save plan use them."""
+        if st.prompt_spans is None:
+            st.prompt_spans = prompt_spans(st.request.num_prompt_tokens, self.cfg, self.block_size)
+        return st.prompt_spans
+
     def _save_spec(self, st: _ReqState, computed_end: int, computed_before: int) -> SaveSpec | None:
         """Chunks whose tokens all have KV in the paged buffer once this step has run."""
         request = st.request
         if not self._save_allowed(request):
             return None
-        if st.prompt_spans is None:  # planned every step the request runs: made once
-            st.prompt_spans = prompt_spans(request.num_prompt_tokens, self.cfg, self.block_size)
-        spans = st.prompt_spans
+        spans = self._prompt_spans(st)
         if self.cfg.save_decode_cache:
             spans = spans + decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
         todo = [s for s in spans if s[1] <= computed_end and s not in st.saved]
