@@ -14,7 +14,6 @@ The chunk namespace names the layout, so the two formats never meet.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 
@@ -52,9 +51,10 @@ class PagedLayer:
         self.num_blocks = cache.shape[0]
         self.page_bytes = cache[0].numel() * cache.element_size()
         self.dense = _block_is_dense(cache)
-        self._page_rows: np.ndarray | None = None  # CPU, dense: the pages as one array, made once
         if self.dense:
             self.pages = _rows(cache, torch.uint8)  # (num_blocks, page_bytes) over the same storage
+            # CPU: the same pages as one array, whose rows the save's hash reads (block_buffers)
+            self._page_rows = self.pages.numpy() if cache.device.type == "cpu" else None
             # the rows the gather and CUDA's scatter index: as int64 words on CUDA where they align
             # (fewer, wider elements for its kernels), else as the bytes
             self.words = self.pages
@@ -93,10 +93,8 @@ class PagedLayer:
         of one buffer over the pages, made once: a tensor index per block held the GIL, beside the
         forward, four times as long."""
         if self.dense:
-            if self._page_rows is None:
-                self._page_rows = self.pages.numpy()
-            rows = self._page_rows
-            return [memoryview(rows[b]) for b in block_ids]
+            assert self._page_rows is not None, "block_buffers is for CPU caches"
+            return [memoryview(self._page_rows[b]) for b in block_ids]
         ids = torch.tensor(block_ids, dtype=torch.int64)
         return [host_bytes(self.cache.index_select(0, ids).contiguous().view(torch.uint8).reshape(-1))]
 
