@@ -136,6 +136,14 @@ def run_one(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
     return {"label": run.get("label", ""), "seconds": seconds, "outputs": results, "reset": reset}
 
 
+def publish(out_path: Path, results: list[dict[str, Any]]) -> None:
+    """Replaces OUT whole: the caller reads it after an earlier run's done file while the next run
+    writes it, and a file written in place can be read empty."""
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tmp.write_text(json.dumps({"runs": results}))
+    os.replace(tmp, out_path)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if run.get("wait_for"):
             _wait_for(run["wait_for"])
         results.append(run_one(llm, run))
-        out_path.write_text(json.dumps({"runs": results}))
+        publish(out_path, results)
         Path(f"{out_path}.{run.get('label', len(results))}.done").touch()
         print(f"engine_run: {run.get('label')} done in {results[-1]['seconds']:.3f}s", flush=True)
     return 0
