@@ -26,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -53,11 +53,13 @@ def make_scheduler(
     async_scheduling: bool = False,
     tp_size: int = 1,
     kv_events: bool = False,
+    sliding_window: int | None = None,
     **extra: Any,
 ) -> Scheduler:
     """The scheduler as the engine core makes it. `encoder_budget` gives it the encoder compute and
     cache budget a vision model's config would (the tiny model has none), so requests with
-    multimodal items get scheduled."""
+    multimodal items get scheduled. With `sliding_window`, a hybrid model's KV cache (gpt-oss, Gemma
+    3): a full-attention layer and a layer with that window, each a group of vLLM's hybrid manager."""
     extra.setdefault("sync_loads", False)  # the tests walk the load through its own steps, as on a GPU
     model_config = ModelConfig(model=str(model), dtype="float16", seed=42)
     scheduler_config = SchedulerConfig(
@@ -88,16 +90,13 @@ def make_scheduler(
         # KV cache events on, published nowhere: a test reads the scheduler's publisher
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None,
     )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer0", "layer1"],
-                FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float16),
-            )
-        ],
-    )
+    shape: dict[str, Any] = {"block_size": BS, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16}
+    full = FullAttentionSpec(**shape)
+    groups = [KVCacheGroupSpec(["layer0", "layer1"], full)]
+    if sliding_window is not None:
+        window = SlidingWindowSpec(**shape, sliding_window=sliding_window)
+        groups = [KVCacheGroupSpec(["layer0"], full), KVCacheGroupSpec(["layer1"], window)]
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     config.cache_config.num_gpu_blocks = num_blocks
     config.parallel_config.tensor_parallel_size = tp_size  # the namespace and the lookup read it
     # AsyncScheduler: what the engine core uses with async scheduling (vLLM's default on GPU)

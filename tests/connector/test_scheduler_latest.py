@@ -345,6 +345,46 @@ def test_a_miss_takes_one_round_trip_with_its_tails_and_a_next_round_vllm_cached
     assert_empty(s)
 
 
+def test_a_hybrid_models_miss_is_answered_on_arrival_with_its_windows_and_its_next_round_loads(
+    tiny_model, sidecar
+) -> None:
+    """A hybrid model (a full-attention group and a 32-token sliding window): its lookup is sent on
+    arrival too, asking the tails of the chunk it most likely misses at with the windows each needs,
+    so a miss makes no round trip inside schedule(). Before, every one of its lookups was made in
+    schedule(), and a miss was two round trips there. A next round's hit elsewhere asks for its
+    windows in a second round trip and loads as before."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url, sliding_window=32)
+
+    def asked() -> int:  # keys the sidecar has been asked for
+        stats = client.stats()
+        return stats["hits"] + stats["misses"]
+
+    round1 = prompt(90, 80)
+    before = asked()
+    s.add_request(make_request(round1))
+    deadline = time.monotonic() + 5
+    while asked() == before:  # the sidecar answers on its own time; nothing waits for it here
+        assert time.monotonic() < deadline, "no lookup reached the sidecar when vLLM received the request"
+        time.sleep(0.01)
+    on_arrival = asked()
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters)
+    assert first_computed(outputs) == 0
+    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (1, 1)
+    assert counters.get("tail_lookups", 0) == 0
+    assert asked() == on_arrival  # nothing asked inside schedule()
+    save_like_a_worker(client, outputs)
+    # the next round: [0,64) and round 1's tail [64,80) in the full-attention group, and the window
+    # before 80 ([32,80)) in the windowed one
+    s.add_request(make_request(round1 + prompt(40, 81)))
+    counters.clear()
+    outputs = run_to_end(s, counters=counters)
+    assert first_computed(outputs) == 80
+    assert (counters["lookups"], counters["lookups_sent_on_arrival"], counters["tail_lookups"]) == (1, 1, 1)
+    assert_empty(s)
+
+
 def test_a_tail_is_not_reused_when_the_next_prompt_differs_inside_it(tiny_model, sidecar) -> None:
     url, client = sidecar
     s = make_scheduler(tiny_model, url)

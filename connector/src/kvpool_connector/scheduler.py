@@ -189,7 +189,7 @@ class KVPoolScheduler:
         sends its lookup: the sidecar answers while vLLM finishes the step it is running (or while it
         is paused), and the lookup in schedule() reads the answer instead of making the round trip."""
         st = self._state(request)
-        if st.sent is not None or self._sent >= SENT_AT_MOST or self._two_lookups or self._breaker.open:
+        if st.sent is not None or self._sent >= SENT_AT_MOST or self._breaker.open:
             return
         if not self._load_allowed(request):
             return
@@ -266,17 +266,17 @@ class KVPoolScheduler:
         keys = [k for link in links for k in self._prefix_keys(link)]
         # A miss's shorter tails are asked in the same round trip, for the chunk the prompt most likely
         # misses at: the first one vLLM has not computed itself (all of a prompt with no reuse). A miss
-        # elsewhere asks for its tails again. (A hybrid model with windowed groups asks in _windowed_hit.)
+        # elsewhere asks for its tails again. A hybrid model's tails there need their windows too.
         guess = next(i for i, s in enumerate(spans) if s[1] > num_computed_tokens)
-        tails: list[Span] = []
-        groups: list[list[str]] = []
-        if not self._two_lookups:
+        if self._windowed_hybrid:
+            tails, groups = self._windowed_tail_groups(st, spans, guess, num_computed_tokens, limit)
+        else:
             tails, groups = self._tail_groups(st, spans[guess], num_computed_tokens, limit)
         return _Plan(spans, links, keys, limit, guess, tails, groups)
 
     @property
-    def _two_lookups(self) -> bool:
-        """A hybrid model with windowed groups: the prefix, then the windows (_windowed_hit)."""
+    def _windowed_hybrid(self) -> bool:
+        """A hybrid model with windowed groups: a hit needs its windows too (_windowed_hit)."""
         return bool(self.full_groups and self.windowed_groups)
 
     def _ask(self, plan: _Plan, sent: _Sent | None) -> tuple[int, int | None, bool]:
@@ -332,21 +332,19 @@ class KVPoolScheduler:
         per_chunk = self._per_chunk
         self.stats.add("lookups")
         try:
-            if self._two_lookups:
-                hits = self._hits(self.client.lookup(plan.keys), per_chunk, links)
-                hit_spans = self._windowed_hit(st, spans, hits, num_computed_tokens, limit)
+            found_keys, found, tails_asked = self._ask(plan, sent)
+            hits = self._hits(found_keys, per_chunk, links)
+            hit_spans = spans[:hits]
+            if found_keys == plan.guess * per_chunk and tails_asked:  # the tails were asked with it
+                tail: Span | None = None if found is None else plan.tails[found]
+            elif self._windowed_hybrid:  # a hit elsewhere: its windows, in a second round trip
+                hit_spans, tail = self._windowed_hit(st, spans, hits, num_computed_tokens, limit), None
+            elif hits < len(spans):
+                tail = self._saved_tail(st, spans[hits], num_computed_tokens, limit)
             else:
-                found_keys, found, tails_asked = self._ask(plan, sent)
-                hits = self._hits(found_keys, per_chunk, links)
-                hit_spans = spans[:hits]
-                if found_keys == plan.guess * per_chunk and tails_asked:
-                    tail: Span | None = None if found is None else plan.tails[found]
-                elif hits < len(spans):
-                    tail = self._saved_tail(st, spans[hits], num_computed_tokens, limit)
-                else:
-                    tail = None
-                if tail:
-                    hit_spans.append(tail)
+                tail = None
+            if tail:
+                hit_spans.append(tail)
         except SidecarTimeout as e:
             self.stats.add("lookup_errors")
             self._breaker.trip()
@@ -427,6 +425,29 @@ class KVPoolScheduler:
         candidates += [
             spans[:k] for k in range(hits, 0, -1) if min(spans[k - 1][1], limit) > num_computed_tokens
         ]
+        needs = self._window_needs(st, candidates, hits, limit)
+        if not needs:
+            return []
+        self.stats.add("tail_lookups")
+        found = self.client.first_whole(needs)
+        return [] if found is None else candidates[found]
+
+    def _windowed_tail_groups(
+        self, st: _ReqState, spans: list[Span], guess: int, num_computed_tokens: int, limit: int
+    ) -> tuple[list[Span], list[list[str]]]:
+        """`_tail_groups` for a hybrid model: what `_windowed_hit` asks where the prefix found ends at
+        the chunk `guess`, the first vLLM has not computed. Its only candidates there are that chunk's
+        tails (a shorter prefix ends inside what vLLM computed), so the lookup sent on arrival asks
+        them in its one round trip, as a dense model's does."""
+        tails = self._tails(spans[guess], num_computed_tokens, limit)
+        return tails, self._window_needs(st, [[*spans[:guess], tail] for tail in tails], guess, limit)
+
+    def _window_needs(
+        self, st: _ReqState, candidates: list[list[Span]], hits: int, limit: int
+    ) -> list[list[str]]:
+        """Each candidate hit's keys past the prefix of `hits` chunks a lookup found: its partial tail's
+        in the prefix groups, and each windowed group's where its chunks reach into that group's window
+        before the hit's end. Nothing where the request cannot be keyed."""
         needs: list[list[str]] = []
         for c in candidates:
             links = self._links(st, c)
@@ -444,11 +465,7 @@ class KVPoolScheduler:
                         for k in self._keys(link, g)
                     ]
             needs.append(keys)
-        if not needs:
-            return []
-        self.stats.add("tail_lookups")
-        found = self.client.first_whole(needs)
-        return [] if found is None else candidates[found]
+        return needs
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
