@@ -10,7 +10,7 @@ import pytest
 
 from kvpool_connector.config import KVPoolConfig, load_config
 from kvpool_connector.connector import check_failure_policy
-from kvpool_connector.keys import Namespace, chain, chunk_keys, rank_key
+from kvpool_connector.keys import Namespace, chain, chunk_keys, chunk_link, rank_key
 from kvpool_connector.spans import decode_spans, prompt_spans
 
 NS = Namespace("m", "float32", "FullAttentionSpec:LBHNC", 8, 4, 64, 32, 64, 1)
@@ -92,6 +92,25 @@ def test_incremental_chain_equals_full_chain() -> None:
     part += chain(NS.seed(), tokens, 64, start=part[-1], first_chunk=2)
     assert part == full
     assert rank_key(full[0], 0) == chunk_keys(NS, tokens)[0]
+
+
+def test_keys_do_not_change_between_versions() -> None:
+    """Chunks stored by pods of an earlier kvpool are found by a newer one (a rolling upgrade keeps
+    the Redis tier and a sidecar's arena warm): these keys were made by the code before chunk_link,
+    a salted chunk's and a block prefix of it (a shorter tail a lookup asks for) among them."""
+    tokens = list(range(160))
+
+    def salt(start: int, end: int) -> bytes | None:
+        return b"salt" if start == 64 else None
+
+    links = chain(NS.seed(), tokens, 64, extras=salt)
+    assert [rank_key(link, 0) for link in links] == [
+        "29ab58fa7094b50dba66e0dc9f76c6a0",
+        "ac412ba9f34c86691f7ec1d346bf0514",
+        "a86a7a41748662be7bb466174f5c4972",  # the partial chunk [128,160)
+    ]
+    block_prefix = chunk_link(links[0], tokens[64:96], salt(64, 96))  # [64,96): the scheduler's tail link
+    assert rank_key(block_prefix, 0) == "8c3ef78c52c5f388d76eebaf22a4d3a0"
 
 
 def test_spans() -> None:

@@ -121,11 +121,17 @@ def chain(
     links: list[bytes] = []
     for i in range(first_chunk * chunk_size, len(tokens), chunk_size):
         end = min(i + chunk_size, len(tokens))
-        if extras is not None and (extra := extras(i, end)):
-            prev = _fold_extra(prev, extra)
-        prev = _h(prev, _token_bytes(tokens[i:end]))
+        prev = chunk_link(prev, tokens[i:end], extras(i, end) if extras is not None else None)
         links.append(prev)
     return links
+
+
+def chunk_link(prev: bytes, chunk_tokens: Sequence[int], extra: bytes | None = None) -> bytes:
+    """The link of one (full or partial) chunk whose predecessor link is `prev`: `chain`'s step, for
+    the scheduler's partial tails, which would otherwise copy every token before them to hash them."""
+    if extra:
+        prev = _fold_extra(prev, extra)
+    return _h(prev, _token_bytes(chunk_tokens))
 
 
 def group_link(link: bytes, group: int) -> bytes:

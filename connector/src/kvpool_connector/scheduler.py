@@ -14,7 +14,7 @@ from .breaker import BREAKER_SECONDS, Breaker
 from .common import ChunkOp, LoadSpec, SaveSpec
 from .config import KVPoolConfig, sidecar_client
 from .counters import Counts
-from .keys import Extras, Namespace, chain, group_link, new_generation, rank_key
+from .keys import Extras, Namespace, chain, chunk_link, group_link, new_generation, rank_key
 from .kv_events import KVPoolEvents
 from .logs import connector_logger
 from .ratelimit import RateLimitedLog
@@ -154,8 +154,9 @@ class KVPoolScheduler:
         index = span[0] // cs
         tokens = st.request.all_token_ids
         if span[1] - span[0] < cs:  # partial tail: linked to the last full chunk, never cached
-            prev = self._link(st, (span[0] - cs, span[0])) if index else None
-            return chain(self.seed, tokens[: span[1]], cs, start=prev, first_chunk=index, extras=st.extras)[0]
+            prev = self._link(st, (span[0] - cs, span[0])) if index else self.seed
+            extra = st.extras(*span) if st.extras is not None else None
+            return chunk_link(prev, tokens[span[0] : span[1]], extra)
         if len(st.links) <= index:
             start = st.links[-1] if st.links else None
             st.links += chain(
