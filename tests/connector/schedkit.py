@@ -5,6 +5,7 @@ chunks into the sidecar under the keys the engine would use."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +213,24 @@ def run_to_end(
                 for name, value in (stats or {}).items():
                     counters[name] = counters.get(name, 0) + value
     raise AssertionError("requests did not finish")
+
+
+def keys_asked(client: SidecarClient) -> int:
+    """Keys the sidecar has been asked for."""
+    stats = client.stats()
+    return int(stats["hits"]) + int(stats["misses"])
+
+
+def add_and_see_it_asked(scheduler: Scheduler, client: SidecarClient, request: Request) -> int:
+    """Adds `request` and waits until its lookup, sent as vLLM receives it, reaches the sidecar (which
+    answers on its own time: nothing in the scheduler waits for it). The keys asked by then."""
+    before = keys_asked(client)
+    scheduler.add_request(request)
+    deadline = time.monotonic() + 5
+    while keys_asked(client) == before:
+        assert time.monotonic() < deadline, "no lookup reached the sidecar when vLLM received the request"
+        time.sleep(0.01)
+    return keys_asked(client)
 
 
 def first_computed(outputs: list, req_id: str | None = None) -> int:

@@ -4,7 +4,6 @@ real sidecar process: every request finishes and every block is freed."""
 from __future__ import annotations
 
 import itertools
-import time
 
 import pytest
 
@@ -12,8 +11,10 @@ pytestmark = pytest.mark.vllm_latest
 
 vllm = pytest.importorskip("vllm")
 from schedkit import (  # noqa: E402
+    add_and_see_it_asked,
     assert_empty,
     first_computed,
+    keys_asked,
     loads_of,
     make_request,
     make_scheduler,
@@ -220,23 +221,12 @@ def test_a_lookup_is_sent_as_vllm_receives_the_request_and_read_when_schedule_as
     s = make_scheduler(tiny_model, url)
     tokens = prompt(96, 16)
     store_chunks(s, client, tokens, 2)
-
-    def asked() -> int:  # keys the sidecar has been asked for
-        stats = client.stats()
-        return stats["hits"] + stats["misses"]
-
-    before = asked()
-    s.add_request(make_request(tokens))
-    deadline = time.monotonic() + 5
-    while asked() == before:  # the sidecar answers on its own time; nothing waits for it here
-        assert time.monotonic() < deadline, "no lookup reached the sidecar when vLLM received the request"
-        time.sleep(0.01)
-    on_arrival = asked()
+    on_arrival = add_and_see_it_asked(s, client, make_request(tokens))
     counters: dict = {}
     outputs = run_to_end(s, counters=counters)
     assert first_computed(outputs) == 64  # the two stored chunks, as a lookup in schedule() finds
     assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (1, 1)
-    assert asked() == on_arrival  # no second round trip
+    assert keys_asked(client) == on_arrival  # no second round trip
     assert_empty(s)
 
 
@@ -355,25 +345,14 @@ def test_a_hybrid_models_miss_is_answered_on_arrival_with_its_windows_and_its_ne
     windows in a second round trip and loads as before."""
     url, client = sidecar
     s = make_scheduler(tiny_model, url, sliding_window=32)
-
-    def asked() -> int:  # keys the sidecar has been asked for
-        stats = client.stats()
-        return stats["hits"] + stats["misses"]
-
     round1 = prompt(90, 80)
-    before = asked()
-    s.add_request(make_request(round1))
-    deadline = time.monotonic() + 5
-    while asked() == before:  # the sidecar answers on its own time; nothing waits for it here
-        assert time.monotonic() < deadline, "no lookup reached the sidecar when vLLM received the request"
-        time.sleep(0.01)
-    on_arrival = asked()
+    on_arrival = add_and_see_it_asked(s, client, make_request(round1))
     counters: dict = {}
     outputs = run_to_end(s, counters=counters)
     assert first_computed(outputs) == 0
     assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (1, 1)
     assert counters.get("tail_lookups", 0) == 0
-    assert asked() == on_arrival  # nothing asked inside schedule()
+    assert keys_asked(client) == on_arrival  # nothing asked inside schedule()
     save_like_a_worker(client, outputs)
     # the next round: [0,64) and round 1's tail [64,80) in the full-attention group, and the window
     # before 80 ([32,80)) in the windowed one
