@@ -73,7 +73,7 @@ from kvpool_connector.config import load_config
 from kvpool_connector.spans import prompt_spans
 from kvpool_demo.localrun import HUGE_PAGES, kvpool_connector_spec, sidecar, sidecar_stats
 from kvpool_demo.openai_driver import client
-from kvpool_demo.tinymodel import BENCH, make_model
+from kvpool_demo.tinymodel import BENCH, ModelShape, make_model
 from kvpool_demo.workloads import Turn
 
 ON, OFF, OFF_2 = "on", "opted out", "opted out again"
@@ -97,10 +97,11 @@ def counts(url: str) -> tuple[int, int]:
     return int(stats["chunks"]) + int(stats["evictions"]), int(stats["hits"]) + int(stats["misses"])
 
 
-def chunks_saved(wave: list[Turn]) -> int:
-    """How many chunks kvpool saves of `wave`'s prompts (their full chunks and block-aligned tails)."""
+def chunks_saved(wave: list[Turn], groups: int) -> int:
+    """How many chunks kvpool saves of `wave`'s prompts (their full chunks and block-aligned tails),
+    each once per KV cache group (a hybrid model's windowed layers store their part apart)."""
     cfg, _ = load_config({"sidecar_url": "http://unused", "chunk_size": CHUNK})
-    return sum(len(prompt_spans(len(turn.prompt), cfg, BLOCK)) for turn in wave)
+    return groups * sum(len(prompt_spans(len(turn.prompt), cfg, BLOCK)) for turn in wave)
 
 
 def wait_for_saves(url: str, target: int) -> bool:
@@ -155,7 +156,7 @@ def forward_steps(wave: Wave, records: list[dict[str, Any]]) -> list[float]:
     return [1000 * (r["t1"] - r["t0"]) for r in sorted(mine, key=lambda r: r["t0"])]
 
 
-def run_level(url: str, side: str, procs: ServerProcesses, level: int, seed: int) -> Level:
+def run_level(url: str, side: str, procs: ServerProcesses, level: int, seed: int, groups: int) -> Level:
     """ROUNDS[level] rounds of waves at `level`. A wave's CPU is counted from its release to its last
     token: an on wave's saves land within it (Level.spilled counts those that did not)."""
     turns = unique_prompts(ROUNDS[level] * level * len(ARMS), seed=seed)
@@ -171,7 +172,7 @@ def run_level(url: str, side: str, procs: ServerProcesses, level: int, seed: int
                 out.waves[arm].append(released(url, apis, wave, pool, PARAMS[arm]))
                 out.cpu[arm].append(spent(start, procs.sample()))
                 if arm == ON:
-                    out.spilled += not wait_for_saves(side, before[0] + chunks_saved(wave))
+                    out.spilled += not wait_for_saves(side, before[0] + chunks_saved(wave, groups))
                 elif counts(side) != before:
                     raise RuntimeError("an opted-out wave reached the sidecar: the opt-out did not hold")
     return out
@@ -260,8 +261,15 @@ CPU_HEAD = [
 
 
 def main() -> None:
+    run(BENCH, "bench-llama", "opt-out.json")
+
+
+def run(shape: ModelShape, model_name: str, results: str) -> None:
+    """The bench on a model of `shape` (made in the temp dir's kvpool-models/`model_name`), its every
+    request and phase written to bench/results/`results`."""
     print(f"({load_note()})")
-    model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
+    model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / model_name, shape)
+    groups = 2 if shape.full_attention_every else 1  # vLLM's hybrid manager: full and windowed groups
     pooled = {lv: Level() for lv in ROUNDS}
     records: list[dict[str, Any]] = []
     with mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}):
@@ -283,7 +291,7 @@ def main() -> None:
                 print(f"set {n}: server up ({load_note()})", flush=True)
                 for level in ROUNDS:
                     t0 = time.perf_counter()
-                    at = run_level(url, side, procs, level, seed=30_000 + 100 * n + level)
+                    at = run_level(url, side, procs, level, seed=30_000 + 100 * n + level, groups=groups)
                     engine_call(url, "/pause?mode=keep&clear_cache=false")  # the engine core writes
                     engine_call(url, "/resume")  # its trace records at a pause
                     at.trace(trace_records(trace))
@@ -296,7 +304,7 @@ def main() -> None:
                     )
                     print(shown, f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "opt-out.json").write_text(json.dumps(records))
+    (RESULTS / results).write_text(json.dumps(records))
     print(f"\nPooled over {SETS} sets, 95% intervals over the rounds ({load_note()}):")
     print("\n".join([*HEAD, *(line for lv in ROUNDS for line in table(lv, pooled[lv]))]))
     print("\nPhases in the engine's processes, ms a wave: the opted-out waves' mean, each arm's difference")
