@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import torch
 from workerkit import Layers, chunk_ops, make_layers, run_loads, save
 
+from kvpool_connector.affinity import SAVE_NICENESS
 from kvpool_connector.breaker import BREAKER_SECONDS, Breaker
 from kvpool_connector.common import ChunkOp, LoadSpec, SaveSpec, StepPlan
 from kvpool_connector.config import KVPoolConfig
@@ -223,6 +225,23 @@ def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidec
             assert compute not in os.sched_getaffinity(t.native_id), f"{t.name} runs on the compute core"
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+def test_the_save_thread_yields_the_cpu_to_vllms_threads_the_load_thread_does_not(sidecar_factory) -> None:
+    """A save waits for nothing in the step, so on cores it shares with vLLM's API server and engine
+    (a CPU engine's other cores) it runs below them: the first token reaches the client first. A load
+    is on a returning user's TTFT and keeps vLLM's priority."""
+    proc = sidecar_factory("16Mi")
+    src, dst, _, _ = _two_workers(proc.info["url"], seed=7)
+    saves = chunk_ops([[0, 1]])
+    save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
+    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)])) == set()
+    (loader,) = dst.loader._thread._threads
+    saver = src.saver._thread
+    assert saver is not None and saver.native_id is not None and loader.native_id is not None
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.getpriority(os.PRIO_PROCESS, saver.native_id) == min(19, mine + SAVE_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, loader.native_id) == mine
 
 
 def test_the_save_and_load_threads_copy_on_one_thread_not_the_forwards_openmp_team(sidecar_factory) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .affinity import side_thread
+from .affinity import below_vllm, side_thread
 
 # How long a step waits for the saves of blocks it reuses before dropping those not yet copying.
 FENCE_SECONDS = 0.1
@@ -86,6 +86,7 @@ class SaveQueue:
 
     def _loop(self) -> None:
         side_thread()  # started from vLLM's thread: a CPU engine's compute cores and OpenMP team
+        below_vllm()  # nothing in the step waits for a save: vLLM's threads take the CPU first
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
