@@ -16,14 +16,17 @@ import psutil
 WORKER_OTHERS = "the worker's threads beside the forward (kvpool's save thread)"
 SIDECAR = "sidecar"
 API_SERVER = "API server"
-ROLES = (WORKER_OTHERS, SIDECAR, API_SERVER)
+# Not CPU time: how long the forward's thread was ready to run but waited for a CPU (another thread
+# held its core), schedstat's second field.
+FORWARD_WAITED = "the forward's thread, waiting for a CPU (run queue)"
+ROLES = (WORKER_OTHERS, SIDECAR, API_SERVER, FORWARD_WAITED)
 
 
-def _ran_ns(pid: int, tid: int) -> int:
-    """Nanoseconds one thread has run; 0 for a thread that has ended."""
+def _ran_ns(pid: int, tid: int, field: int = 0) -> int:
+    """Nanoseconds one thread has run (field 1: waited on a run queue); 0 for a thread that has ended."""
     try:
         with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            return int(f.read().split()[0])
+            return int(f.read().split()[field])
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -58,6 +61,7 @@ class ServerProcesses:
             WORKER_OTHERS: _process_ns(self.worker) - _ran_ns(self.worker, self.worker),
             SIDECAR: _process_ns(self.sidecar) if self.sidecar is not None else 0,
             API_SERVER: _process_ns(self.api_server),
+            FORWARD_WAITED: _ran_ns(self.worker, self.worker, field=1),
         }
 
 
