@@ -205,6 +205,19 @@ def test_an_in_step_load_lands_before_the_forward_and_a_failed_one_keeps_none_of
     assert client.lookup([rank_key(written[0].link, 0)]) == 1
 
 
+def _save_and_load_threads(url: str, seed: int) -> tuple[int, int]:
+    """Saves a chunk with one worker and loads it with another, as vLLM's thread would; the native ids
+    of the save thread and the load thread that did it."""
+    src, dst, _, _ = _two_workers(url, seed)
+    saves = chunk_ops([[0, 1]])
+    save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
+    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)])) == set()
+    (loader,) = dst.loader._thread._threads
+    saver = src.saver._thread
+    assert saver is not None and saver.native_id is not None and loader.native_id is not None
+    return saver.native_id, loader.native_id
+
+
 def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidecar_factory) -> None:
     """A CPU engine binds vLLM's thread to its compute cores (VLLM_CPU_OMP_THREADS_BIND) and the
     threads it starts inherit that: kvpool's must move off them, or its copies take turns with the
@@ -215,14 +228,8 @@ def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidec
     compute = min(allowed)
     os.sched_setaffinity(0, {compute})  # as vLLM binds its thread
     try:
-        src, dst, _, _ = _two_workers(proc.info["url"], seed=5)
-        saves = chunk_ops([[0, 1]])
-        save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
-        run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)]))
-        (loader,) = dst.loader._thread._threads
-        for t in (src.saver._thread, loader):
-            assert t is not None and t.native_id is not None
-            assert compute not in os.sched_getaffinity(t.native_id), f"{t.name} runs on the compute core"
+        for name, tid in zip(("save", "load"), _save_and_load_threads(proc.info["url"], seed=5), strict=True):
+            assert compute not in os.sched_getaffinity(tid), f"the {name} thread runs on the compute core"
     finally:
         os.sched_setaffinity(0, allowed)
 
@@ -232,16 +239,10 @@ def test_the_save_thread_yields_the_cpu_to_vllms_threads_the_load_thread_does_no
     (a CPU engine's other cores) it runs below them: the first token reaches the client first. A load
     is on a returning user's TTFT and keeps vLLM's priority."""
     proc = sidecar_factory("16Mi")
-    src, dst, _, _ = _two_workers(proc.info["url"], seed=7)
-    saves = chunk_ops([[0, 1]])
-    save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
-    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)])) == set()
-    (loader,) = dst.loader._thread._threads
-    saver = src.saver._thread
-    assert saver is not None and saver.native_id is not None and loader.native_id is not None
+    saver, loader = _save_and_load_threads(proc.info["url"], seed=7)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert os.getpriority(os.PRIO_PROCESS, saver.native_id) == min(19, mine + SAVE_NICENESS)
-    assert os.getpriority(os.PRIO_PROCESS, loader.native_id) == mine
+    assert os.getpriority(os.PRIO_PROCESS, saver) == min(19, mine + SAVE_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, loader) == mine
 
 
 def test_the_save_and_load_threads_copy_on_one_thread_not_the_forwards_openmp_team(sidecar_factory) -> None:
