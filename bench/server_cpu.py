@@ -22,8 +22,12 @@ FORWARD_WAITED = "the forward's thread, waiting for a CPU (run queue)"
 ROLES = (WORKER_OTHERS, SIDECAR, API_SERVER, FORWARD_WAITED)
 
 
-def _ran_ns(pid: int, tid: int, field: int = 0) -> int:
-    """Nanoseconds one thread has run (field 1: waited on a run queue); 0 for a thread that has ended."""
+# schedstat's fields: nanoseconds a thread has run, and has waited on a run queue
+RAN, WAITED = 0, 1
+
+
+def _schedstat_ns(pid: int, tid: int, field: int = RAN) -> int:
+    """One thread's schedstat field, in nanoseconds; 0 for a thread that has ended."""
     try:
         with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
             return int(f.read().split()[field])
@@ -36,7 +40,7 @@ def _process_ns(pid: int) -> int:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return 0
-    return sum(_ran_ns(pid, t) for t in tids)
+    return sum(_schedstat_ns(pid, t) for t in tids)
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,10 @@ class ServerProcesses:
     def sample(self) -> dict[str, int]:
         """Nanoseconds so far, by role."""
         return {
-            WORKER_OTHERS: _process_ns(self.worker) - _ran_ns(self.worker, self.worker),
+            WORKER_OTHERS: _process_ns(self.worker) - _schedstat_ns(self.worker, self.worker),
             SIDECAR: _process_ns(self.sidecar) if self.sidecar is not None else 0,
             API_SERVER: _process_ns(self.api_server),
-            FORWARD_WAITED: _ran_ns(self.worker, self.worker, field=1),
+            FORWARD_WAITED: _schedstat_ns(self.worker, self.worker, WAITED),
         }
 
 
