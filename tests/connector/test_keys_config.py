@@ -10,7 +10,7 @@ import pytest
 
 from kvpool_connector.config import KVPoolConfig, load_config
 from kvpool_connector.connector import check_failure_policy
-from kvpool_connector.keys import Namespace, chain, chunk_keys, chunk_link, rank_key
+from kvpool_connector.keys import Namespace, chain, chunk_keys, chunk_link, rank_key, tail_links
 from kvpool_connector.spans import decode_spans, prompt_spans
 
 NS = Namespace("m", "float32", "FullAttentionSpec:LBHNC", 8, 4, 64, 32, 64, 1)
@@ -92,6 +92,14 @@ def test_incremental_chain_equals_full_chain() -> None:
     part += chain(NS.seed(), tokens, 64, start=part[-1], first_chunk=2)
     assert part == full
     assert rank_key(full[0], 0) == chunk_keys(NS, tokens)[0]
+
+
+def test_a_chunks_tails_hashed_in_one_pass_are_each_tails_own_link() -> None:
+    tokens = list(range(1000, 1256))
+    prev = chain(NS.seed(), list(range(256)), 256)[0]
+    ends = [240, 16, 128, 128, 1]  # any order, repeats
+    assert tail_links(prev, tokens, ends) == [chunk_link(prev, tokens[:end]) for end in ends]
+    assert tail_links(prev, tokens, []) == []
 
 
 def test_keys_do_not_change_between_versions() -> None:

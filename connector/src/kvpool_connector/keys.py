@@ -134,6 +134,23 @@ def chunk_link(prev: bytes, chunk_tokens: Sequence[int], extra: bytes | None = N
     return _h(prev, _token_bytes(chunk_tokens))
 
 
+def tail_links(prev: bytes, tokens: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+    """chunk_link(prev, tokens[:end]) for each of `ends`, hashing the tokens once: the shorter tails a
+    missed chunk's lookup asks for all start where it does (blocks of 16 give a 256-token chunk 15),
+    and hashing each from its start cost the engine core O(chunk^2 / block) a new request."""
+    data = _token_bytes(tokens[: max(ends, default=0)])
+    width = array("I").itemsize
+    h = hashlib.blake2b(digest_size=_DIGEST)
+    h.update(prev)
+    links: dict[int, bytes] = {}
+    hashed = 0
+    for end in sorted(set(ends)):
+        h.update(data[width * hashed : width * end])
+        hashed = end
+        links[end] = h.copy().digest()
+    return [links[end] for end in ends]
+
+
 def group_link(link: bytes, group: int) -> bytes:
     """The link of one KV cache group's part of a chunk (a hybrid model stores each group apart: a
     sliding-window group's blocks leave the window while the full-attention group's stay). Group 0

@@ -14,7 +14,7 @@ from .breaker import BREAKER_SECONDS, Breaker
 from .common import ChunkOp, LoadSpec, SaveSpec
 from .config import KVPoolConfig, sidecar_client
 from .counters import Counts
-from .keys import Extras, Namespace, chain, chunk_link, group_link, new_generation, rank_key
+from .keys import Extras, Namespace, chain, chunk_link, group_link, new_generation, rank_key, tail_links
 from .kv_events import KVPoolEvents
 from .logs import connector_logger
 from .ratelimit import RateLimitedLog
@@ -401,8 +401,18 @@ class KVPoolScheduler:
     ) -> tuple[list[Span], list[list[str]]]:
         """`_tails` and the keys each needs (none where the request cannot be keyed)."""
         tails = self._tails(missed, num_computed_tokens, limit)
-        links = self._links(st, tails) if tails else None
+        links = self._tail_links(st, missed[0], tails) if tails else None
         return tails, [self._prefix_keys(link) for link in links or []]
+
+    def _tail_links(self, st: _ReqState, start: int, tails: list[Span]) -> list[bytes] | None:
+        """The links of `tails`, spans from the chunk start `start`: in one pass over their tokens
+        where nothing but the tokens enters the keys (a request with extra inputs has them per span)."""
+        if st.extras is not None:
+            return self._links(st, tails)
+        cs = self.cfg.chunk_size
+        prev = self._link(st, (start - cs, start)) if start else self.seed
+        tokens = st.request.all_token_ids[start : max(end for _, end in tails)]
+        return tail_links(prev, tokens, [end - start for _, end in tails])
 
     def _saved_tail(self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int) -> Span | None:
         """The longest of `_tails` that is stored. One lookup."""
