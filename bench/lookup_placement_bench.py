@@ -21,10 +21,6 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("tests", "tests/connector")]
 import schedkit as sk  # noqa: E402
 from kvtest import start_sidecar  # noqa: E402
-from vllm import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
 
 from bench.stats import bootstrap  # noqa: E402
 from kvpool_demo.tinymodel import TINY, make_model  # noqa: E402
@@ -34,20 +30,6 @@ PROMPT_TOKENS = 352
 CHUNK = 256
 IDLE_SECONDS = (0.002, 0.05)
 OPT_OUT = {"kvpool.skip_load": True, "kvpool.skip_save": True}
-
-
-def _request(rid: str, tokens: list[int], opted_out: bool) -> Request:
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
-    if opted_out:
-        params.extra_args = {"kv_transfer_params": OPT_OUT}
-    params.update_from_generation_config({}, sk.EOS)
-    return Request(
-        request_id=rid,
-        prompt_token_ids=tokens,
-        sampling_params=params,
-        pooling_params=None,
-        block_hasher=get_request_block_hasher(sk.BS, sha256),
-    )
 
 
 def _place(sidecar_pid: int, apart: bool) -> None:
@@ -64,7 +46,8 @@ def _waves(scheduler, idle: float, seed: int) -> dict[bool, list[tuple[float, fl
     for w in range(-20, 2 * PAIRS):  # the first 20 waves warm up
         opted_out = w % 2 == 1
         prompts = [sk.prompt(PROMPT_TOKENS, seed + 2 * w + i) for i in range(2)]
-        reqs = [_request(f"w{seed}-{w}-{i}", p, opted_out) for i, p in enumerate(prompts)]
+        params = OPT_OUT if opted_out else None
+        reqs = [sk.make_request(p, max_tokens=1, kv_transfer_params=params) for p in prompts]
         t0 = time.perf_counter()
         for r in reqs:
             scheduler.add_request(r)

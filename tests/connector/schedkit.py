@@ -124,11 +124,15 @@ def make_request(
     max_tokens: int = 4,
     priority: int = 0,
     prompt_logprobs: int | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
     **inputs: Any,
 ) -> Request:
-    """A request as the engine core builds it; `inputs` are Request's own (cache_salt, lora_request,
-    mm_features, prompt_embeds)."""
+    """A request as the engine core builds it; `kv_transfer_params` as the OpenAI server passes them
+    (kvpool's opt-outs), `inputs` are Request's own (cache_salt, lora_request, mm_features,
+    prompt_embeds)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    if kv_transfer_params is not None:
+        params.extra_args = {"kv_transfer_params": kv_transfer_params}
     params.update_from_generation_config({}, EOS)
     return Request(
         request_id=f"r{next(_ids)}",
