@@ -138,14 +138,12 @@ def tail_links(prev: bytes, tokens: Sequence[int], ends: Sequence[int]) -> list[
     """chunk_link(prev, tokens[:end]) for each of `ends`, hashing the tokens once: the shorter tails a
     missed chunk's lookup asks for all start where it does (blocks of 16 give a 256-token chunk 15),
     and hashing each from its start cost the engine core O(chunk^2 / block) a new request."""
-    data = _token_bytes(tokens[: max(ends, default=0)])
-    width = array("I").itemsize
     h = hashlib.blake2b(digest_size=_DIGEST)
     h.update(prev)
     links: dict[int, bytes] = {}
     hashed = 0
     for end in sorted(set(ends)):
-        h.update(data[width * hashed : width * end])
+        h.update(_token_bytes(tokens[hashed:end]))
         hashed = end
         links[end] = h.copy().digest()
     return [links[end] for end in ends]

@@ -154,7 +154,7 @@ class KVPoolScheduler:
         index = span[0] // cs
         tokens = st.request.all_token_ids
         if span[1] - span[0] < cs:  # partial tail: linked to the last full chunk, never cached
-            prev = self._link(st, (span[0] - cs, span[0])) if index else self.seed
+            prev = self._link_before(st, span[0])
             extra = st.extras(*span) if st.extras is not None else None
             return chunk_link(prev, tokens[span[0] : span[1]], extra)
         if len(st.links) <= index:
@@ -168,6 +168,11 @@ class KVPoolScheduler:
                 extras=st.extras,
             )
         return st.links[index]
+
+    def _link_before(self, st: _ReqState, start: int) -> bytes:
+        """The link a span at the chunk start `start` chains from: the previous chunk's, or the seed."""
+        cs = self.cfg.chunk_size
+        return self._link(st, (start - cs, start)) if start else self.seed
 
     def _links(self, st: _ReqState, spans: list[Span]) -> list[bytes] | None:
         """The links of `spans`, or None (and the request marked, counted) when it cannot be keyed."""
@@ -409,10 +414,8 @@ class KVPoolScheduler:
         where nothing but the tokens enters the keys (a request with extra inputs has them per span)."""
         if st.extras is not None:
             return self._links(st, tails)
-        cs = self.cfg.chunk_size
-        prev = self._link(st, (start - cs, start)) if start else self.seed
         tokens = st.request.all_token_ids[start : max(end for _, end in tails)]
-        return tail_links(prev, tokens, [end - start for _, end in tails])
+        return tail_links(self._link_before(st, start), tokens, [end - start for _, end in tails])
 
     def _saved_tail(self, st: _ReqState, missed: Span, num_computed_tokens: int, limit: int) -> Span | None:
         """The longest of `_tails` that is stored. One lookup."""
