@@ -113,7 +113,7 @@ class Ranks:
         finished, then what finished and what failed, combined over the ranks."""
         meta = so.kv_connector_metadata
         for w in self.workers:
-            w.fence(meta)  # handle_preemptions: before anything writes a block
+            w.begin_step(meta)  # handle_preemptions: before anything writes a block
             w.start_load(meta)
         self._forward(so)
         self._record_saves(so)

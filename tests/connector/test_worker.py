@@ -10,12 +10,13 @@ import threading
 import torch
 from workerkit import Layers, chunk_ops, make_layers, run_loads, save
 
+from kvpool_connector import saver
 from kvpool_connector.affinity import SAVE_NICENESS
 from kvpool_connector.breaker import BREAKER_SECONDS, Breaker
 from kvpool_connector.common import ChunkOp, LoadSpec, SaveSpec, StepPlan
 from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.keys import rank_key
-from kvpool_connector.saver import FENCE_SECONDS
+from kvpool_connector.saver import FENCE_SECONDS, SaveJob, SaveQueue
 from kvpool_connector.worker import KVPoolWorker
 from kvpool_sidecar.client import SidecarClient
 
@@ -118,12 +119,12 @@ def test_a_step_reusing_blocks_waits_for_their_saves_and_a_hung_sidecars_saves_a
 
     kept, dropped = chunk_ops([[3, 7], [5, 6]])
     src.finish_step(StepPlan(saves=[SaveSpec("a", 0, [kept])], step=1))
-    src.fence(StepPlan(fence=1, step=2))
+    src.begin_step(StepPlan(fence=1, step=2))
     reuse([3, 7])
     proc.popen.send_signal(signal.SIGSTOP)
     try:
         src.finish_step(StepPlan(saves=[SaveSpec("b", 0, [dropped])], step=3))
-        src.fence(StepPlan(fence=3, step=4))  # waits FENCE_SECONDS at most, then drops it
+        src.begin_step(StepPlan(fence=3, step=4))  # waits FENCE_SECONDS at most, then drops it
         reuse([5, 6])
     finally:
         proc.popen.send_signal(signal.SIGCONT)
@@ -138,6 +139,22 @@ def test_a_step_reusing_blocks_waits_for_their_saves_and_a_hung_sidecars_saves_a
     assert run_loads(dst, meta) == set()
     for old, (_, d) in zip(before, dst_layers, strict=True):  # the KV of the step that saved it
         assert torch.equal(old[3], d[0]) and torch.equal(old[7], d[1])
+
+
+def test_a_steps_saves_start_when_the_next_step_begins_not_as_it_ends(monkeypatch) -> None:
+    """A step ends as the engine hands its output on and schedules the next one: a save thread starting
+    then would take the GIL and a CPU from that. Its saves wait for the next step to begin (or, with no
+    next step, for HOLD_SECONDS)."""
+    monkeypatch.setattr(saver, "HOLD_SECONDS", 30.0)
+    started = threading.Event()
+    queue = SaveQueue(lambda job: started.set())
+    queue.note(1)
+    assert queue.put(SaveJob(1, ["a chunk"], reads_blocks=True))
+    assert not started.wait(0.5)  # step 1 has ended, step 2 has not begun
+    queue.begin(2)
+    assert started.wait(10)
+    assert queue.drain(10) and queue.saved_through() == 1
+    queue.close()
 
 
 def test_corrupt_chunk_is_caught_by_the_copy_thread_and_dropped_by_the_sidecar(sidecar_factory) -> None:

@@ -196,7 +196,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the step touches a block: saves still reading blocks it reuses finish (saver.py)."""
         if self.worker is not None and isinstance(kv_connector_metadata, KVPoolMetadata):
-            self.worker.fence(kv_connector_metadata)
+            self.worker.begin_step(kv_connector_metadata)
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():

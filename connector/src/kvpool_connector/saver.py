@@ -10,6 +10,11 @@ and sliding-window-freed blocks alike, without holding a block past its request.
 FENCE_SECONDS for a slow sidecar, then drops the saves that have not started copying (a future miss);
 a copy in progress is memory speed and is waited for. On CUDA the saves copy from private bounce
 buffers filled on a side stream during the forward, so they read no block after the step.
+
+A step's saves start once the next step has begun (or after HOLD_SECONDS, for an engine with no next
+step), not as the step ends: the step's end is when the engine hands its output on (the first token of
+a prefill) and schedules the next step, and a save thread starting then takes the GIL and a CPU from
+exactly that work. Started a step later, the save overlaps the next forward, as it did anyway.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from .affinity import below_vllm, side_thread
 FENCE_SECONDS = 0.1
 # Steps of saves queued at most: past it a slow sidecar's new saves are skipped, not queued.
 MAX_QUEUED_STEPS = 64
+# How long a step's saves wait for the next step to begin before they start anyway.
+HOLD_SECONDS = 0.02
 # How long a worker shutting down lets its queued saves finish.
 CLOSE_DRAIN_SECONDS = 5.0
 
@@ -56,6 +63,7 @@ class SaveQueue:
         self._queue: deque[SaveJob] = deque()
         self._busy: SaveJob | None = None
         self._last_step = 0
+        self._begun = 0  # the newest step the worker has begun
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -84,6 +92,16 @@ class SaveQueue:
         with self._cv:
             self._last_step = max(self._last_step, step)
 
+    def begin(self, step: int) -> None:
+        """The worker begins `step`: the saves of earlier steps may start."""
+        with self._cv:
+            self._begun = max(self._begun, step)
+            self._cv.notify_all()
+
+    def _hold(self, step: int) -> None:
+        """Called with the lock held: waits until a step after `step` has begun, or HOLD_SECONDS."""
+        self._cv.wait_for(lambda: self._begun > step or self._closed, timeout=HOLD_SECONDS)
+
     def _loop(self) -> None:
         side_thread()  # started from vLLM's thread: a CPU engine's compute cores and OpenMP team
         below_vllm()  # nothing in the step waits for a save: vLLM's threads take the CPU first
@@ -94,6 +112,7 @@ class SaveQueue:
                 if not self._queue:
                     return
                 job = self._busy = self._queue.popleft()
+                self._hold(job.step)
             try:
                 if job.state != FENCED:
                     self._run(job)

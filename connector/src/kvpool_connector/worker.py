@@ -282,9 +282,11 @@ class KVPoolWorker:
             self.stats.add("save_skipped_chunks", len(saves))  # the sidecar is this far behind
             self._unstage(saves)
 
-    def fence(self, meta: StepPlan) -> None:
-        """Before a step that reuses blocks (handle_preemptions): no save of a step <= meta.fence reads
-        them any more. Saves a slow sidecar kept from copying in time are dropped: a future miss."""
+    def begin_step(self, meta: StepPlan) -> None:
+        """Before the step touches a block (handle_preemptions): the earlier steps' saves may start
+        (saver.py), and no save of a step <= meta.fence reads a block the step reuses any more. Saves a
+        slow sidecar kept from copying in time are dropped: a future miss."""
+        self.saver.begin(meta.step)
         if meta.fence:
             t0 = time.perf_counter()
             fenced = self.saver.fence(meta.fence)
