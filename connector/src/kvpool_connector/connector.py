@@ -194,7 +194,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.save_layer(layer_name, self._meta())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before the step touches a block: saves still reading blocks it reuses finish (saver.py)."""
+        """Before the step touches a block: the earlier steps' saves may start, and those still reading
+        blocks it reuses finish (saver.py)."""
         if self.worker is not None and isinstance(kv_connector_metadata, KVPoolMetadata):
             self.worker.begin_step(kv_connector_metadata)
 

@@ -8,9 +8,10 @@ There vLLM drops the step's output of every request over a failed block and reco
 the worker keeps none of that step's saves.
 
 Saves leave the step (saver.py): at its end (wait_for_save) a step's chunks go to the save thread,
-which reserves, copies out and commits them with the checksum of the source blocks while vLLM runs on;
-the sidecar refuses a commit whose reservation is no longer this writer's. A step that reuses blocks a
-save has not read yet waits for it first (fence, from vLLM's handle_preemptions). Nothing here raises
+which, once the next step begins, reserves, copies out and commits them with the checksum of the source
+blocks while vLLM runs on; the sidecar refuses a commit whose reservation is no longer this writer's. A
+step that reuses blocks a save has not read yet waits for it first (begin_step, from vLLM's
+handle_preemptions). Nothing here raises
 into vLLM: a cache failure is a miss or a recompute.
 
 On CUDA a step's saves are copied out on a side stream as vLLM writes each layer: one gather and one
