@@ -6,6 +6,7 @@ chunks into the sidecar under the keys the engine would use."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -197,14 +198,18 @@ def run_to_end(
     max_steps: int = 500,
     counters: dict[str, Any] | None = None,
     fail_loads: bool = False,
+    before_step: Callable[[int], None] | None = None,
 ) -> list:
     """Steps until nothing is left; returns the scheduler outputs (their connector metadata included).
     `counters` sums the connector's counters as the engine reports them; with `fail_loads` every
-    load fails (a worker that can never load what the sidecar offers)."""
+    load fails (a worker that can never load what the sidecar offers); `before_step` is called with
+    each step's index before its schedule()."""
     outputs: list[SchedulerOutput] = []
-    for _ in range(max_steps):
+    for step in range(max_steps):
         if not scheduler.has_unfinished_requests():
             return outputs
+        if before_step is not None:
+            before_step(step)
         so = scheduler.schedule()
         outputs.append(so)
         plan = so.kv_connector_metadata

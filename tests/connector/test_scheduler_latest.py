@@ -441,6 +441,45 @@ def test_a_request_waiting_for_room_is_not_looked_up_every_step(tiny_model, side
     assert_empty(s)
 
 
+@pytest.mark.parametrize("sent_at_most", [32, 0])
+def test_a_waiting_requests_aged_out_answer_is_renewed_at_the_steps_end_not_inside_schedule(
+    tiny_model, sidecar, monkeypatch, sent_at_most: int
+) -> None:
+    """A request waiting for room reuses its answer for 16 steps or 1 s; then it asked again inside
+    schedule(), a round trip to a sidecar that had idled through the step (3-5.5 ms a wave at
+    concurrency 8, bench opt_out). Its lookup is now sent at the end of the step its answer aged out
+    in and read in the next schedule(): past the first, no lookup waits there, and chunks stored while
+    it waits are found. Where nothing can be sent ahead, the aged-out answer stands one step, not
+    more: the request is asked in schedule() as before and still finds them."""
+    from kvpool_connector import scheduler as kvpool_scheduler
+
+    monkeypatch.setattr(kvpool_scheduler, "SENT_AT_MOST", sent_at_most)
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url, num_blocks=12)  # room for one of these requests at a time
+    waiting_tokens = prompt(120, 24)
+    first, second = make_request(prompt(120, 25), max_tokens=40), make_request(waiting_tokens)
+    s.add_request(first)
+    s.add_request(second)
+
+    def store_while_it_waits(step: int) -> None:
+        if step == 5:
+            store_chunks(s, client, waiting_tokens, 2)
+
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters, before_step=store_while_it_waits)
+    waited = next(i for i, so in enumerate(outputs) if second.request_id in so.num_scheduled_tokens)
+    assert waited > 20  # it waited more than one answer's 16 steps
+    assert first_computed(outputs, second.request_id) == 64  # the chunks stored at step 5
+    ahead = counters.get("lookups_sent_on_arrival", 0) + counters.get("lookups_renewed", 0)
+    if sent_at_most:
+        assert counters["lookups"] == ahead  # none asked inside schedule()
+        assert counters["lookups_renewed"] >= 1
+    else:
+        assert ahead == 0
+        assert counters["lookups"] <= 2 + waited // 16
+    assert_empty(s)
+
+
 def test_a_prompt_sent_again_while_its_chunks_are_being_saved_waits_for_them(tiny_model, sidecar) -> None:
     """Saves finish on the workers' save threads after their step: a prompt sent again before the
     workers report them finished is not looked up (it would miss and compute everything) but waits,

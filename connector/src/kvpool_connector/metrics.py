@@ -41,6 +41,11 @@ STATS = (
         "Lookups sent when vLLM received the request and answered before schedule() asked (the round "
         "trip off the scheduler)",
     ),
+    Stat(
+        "lookups_renewed",
+        "Lookups of a waiting request whose last answer aged out, sent at a step's end and read in the "
+        "next schedule() (the round trip off the scheduler)",
+    ),
     Stat("hit_tokens", "Prompt tokens offered to vLLM from the kvpool sidecar (loaded, not computed)"),
     Stat("unkeyable_requests", "Requests with an input kvpool cannot key (neither loaded nor saved)"),
     Stat("loaded_chunks", "Chunks loaded from the kvpool sidecar into vLLM's KV cache"),

@@ -59,6 +59,7 @@ class _Asked:
     at: float
     answer: tuple[int, bool]
     spans: list[Span]
+    renewing: bool = False  # aged out, standing one more step while its renewal is sent
 
 
 @dataclass
@@ -77,12 +78,15 @@ class _Plan:
 
 @dataclass
 class _Sent:
-    """A plan sent to the sidecar when vLLM received the request, whose answer is read when vLLM asks."""
+    """A plan sent to the sidecar ahead of schedule() (when vLLM received the request, or at the end of
+    a step it waited through), whose answer is read when vLLM asks."""
 
     plan: _Plan
+    computed: int  # the request's num_computed_tokens it was planned for
     at: float
     step: int  # schedule() calls before it was sent
     lookup: SentLookup
+    stat: str  # counted when read: sent on arrival, or renewed at a step's end
 
 
 @dataclass
@@ -144,7 +148,8 @@ class KVPoolScheduler:
         # have not reported finished (link -> step, time planned; oldest first), which a lookup waits for.
         self._reading: dict[int, int] = {}
         self._unsaved: dict[bytes, tuple[int, float]] = {}
-        self._sent = 0  # lookups sent on arrival and not read yet
+        self._sent = 0  # lookups sent ahead and not read yet
+        self._renewals: list[_ReqState] = []  # waiting requests whose lookup is sent at the step's end
 
     # --- keys ------------------------------------------------------------------------------------
 
@@ -194,12 +199,15 @@ class KVPoolScheduler:
         """Starts tracking a request when vLLM receives it (so it saves even if never looked up), and
         sends its lookup: the sidecar answers while vLLM finishes the step it is running (or while it
         is paused), and the lookup in schedule() reads the answer instead of making the round trip."""
-        st = self._state(request)
+        self._send_ahead(self._state(request), 0, "lookups_sent_on_arrival")
+
+    def _send_ahead(self, st: _ReqState, num_computed_tokens: int, stat: str) -> None:
+        """Sends the request's lookup now, to be read when schedule() next asks for it."""
         if st.sent is not None or self._sent >= SENT_AT_MOST or self._breaker.open:
             return
-        if not self._load_allowed(request):
+        if not self._load_allowed(st.request):
             return
-        plan = self._plan(st, request, 0)
+        plan = self._plan(st, st.request, num_computed_tokens)
         if not isinstance(plan, _Plan):
             return
         try:
@@ -207,7 +215,7 @@ class KVPoolScheduler:
         except SidecarError:  # asked again, in schedule()
             return
         if sent is not None:
-            st.sent = _Sent(plan, self._clock(), self._steps, sent)
+            st.sent = _Sent(plan, num_computed_tokens, self._clock(), self._steps, sent, stat)
             self._sent += 1
 
     def _state(self, request: Request) -> _ReqState:
@@ -226,15 +234,12 @@ class KVPoolScheduler:
         if st.load_failed or not self._load_allowed(request):
             return 0, False
         asked = st.asked
-        if (
-            asked is not None
-            and asked.computed == num_computed_tokens
-            and self._steps - asked.step < REASK_STEPS
-            and self._clock() - asked.at < REASK_SECONDS
-        ):
+        if asked is not None and asked.computed != num_computed_tokens:  # vLLM's own hit grew
+            asked = None
+        if asked is not None and (self._fresh(asked) or self._renew(st, asked)):
             self.stats.add("lookups_reused")
         else:
-            # before the round trip (or when the lookup was sent on arrival): the answer is at most this old
+            # before the round trip (or when the lookup was sent ahead): the answer is at most this old
             now = st.sent.at if st.sent is not None else self._clock()
             started = time.perf_counter()  # what kvpool costs vLLM's scheduler, hit or miss
             found, load_async = self._lookup(st, request, num_computed_tokens)
@@ -246,6 +251,21 @@ class KVPoolScheduler:
         if asked.answer[0]:
             st.lookup = (num_computed_tokens, asked.spans)
         return asked.answer
+
+    def _fresh(self, asked: _Asked) -> bool:
+        return self._steps - asked.step < REASK_STEPS and self._clock() - asked.at < REASK_SECONDS
+
+    def _renew(self, st: _ReqState, asked: _Asked) -> bool:
+        """Whether a waiting request's aged-out answer stands one more step: its renewal is sent at this
+        step's end (build_connector_meta), answered while the step runs, and read in the next
+        schedule(). Asking again here was a round trip inside schedule() to a sidecar that had been
+        idle through a long step (3-5.5 ms on a 2-core VM). It stands once: a renewal that could not
+        be sent is asked in schedule(), as before."""
+        if asked.renewing or st.sent is not None:  # a renewal's answer waits: read it
+            return False
+        asked.renewing = True
+        self._renewals.append(st)
+        return True
 
     def _saving(self, links: list[bytes]) -> bool:
         """Whether a save of one of `links` planned in the last SAVE_WAIT_SECONDS is still running."""
@@ -300,7 +320,7 @@ class KVPoolScheduler:
             age = self._clock() - sent.at
             fresh = age < REASK_SECONDS or (self._steps <= sent.step + 1 and age < SENT_STANDS_SECONDS)
             if sent.plan.keys == plan.keys and fresh:
-                self.stats.add("lookups_sent_on_arrival")
+                self.stats.add(sent.stat)
                 found_keys, found = sent.lookup.answer()
                 return found_keys, found, (sent.plan.guess, sent.plan.groups) == (plan.guess, plan.groups)
             sent.lookup.drop()
@@ -319,10 +339,10 @@ class KVPoolScheduler:
     def _look(
         self, st: _ReqState, request: Request, num_computed_tokens: int, sent: _Sent | None
     ) -> tuple[int | None, bool]:
-        # the plan sent on arrival is this one where vLLM computed nothing itself
+        # the plan sent ahead is this one where vLLM has computed as much as when it was sent
         plan = (
             sent.plan
-            if sent is not None and not num_computed_tokens
+            if sent is not None and sent.computed == num_computed_tokens
             else self._plan(st, request, num_computed_tokens)
         )
         if not isinstance(plan, _Plan):
@@ -486,6 +506,7 @@ class KVPoolScheduler:
     ) -> None:
         st = self._state(request)
         st.asked = None  # scheduled: its next wait asks anew
+        self._forget_sent(st)  # a renewal sent while it waited
         if num_external_tokens == 0:  # nothing to load (also the second call after an async load)
             return
         # An asynchronous load's request is not scheduled while it loads, so its blocks come from
@@ -547,6 +568,10 @@ class KVPoolScheduler:
         for save in meta.saves:
             for op in save.chunks:
                 self._reading.update(dict.fromkeys(op.block_ids, self._steps))
+        for st in self._renewals:  # those still waiting (update_state_after_alloc clears `asked`)
+            if st.asked is not None and self.reqs.get(st.request.request_id) is st:
+                self._send_ahead(st, st.asked.computed, "lookups_renewed")
+        self._renewals.clear()
         if self.events is not None:
             self.events.planned()
         return meta
