@@ -84,7 +84,7 @@ class _Sent:
     plan: _Plan
     computed: int  # the request's num_computed_tokens it was planned for
     at: float
-    step: int  # schedule() calls before it was sent
+    step: int  # schedule() calls so far when it was sent (a renewal: its own step included)
     lookup: SentLookup
     stat: str  # counted when read: sent on arrival, or renewed at a step's end
 
