@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import subprocess
+import tempfile
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -145,15 +146,34 @@ def pod_json(pod: str, port: int, path: str, namespace: str = NAMESPACE) -> Any:
 
 @contextlib.contextmanager
 def port_forward(pod: str, port: int, namespace: str = NAMESPACE) -> Iterator[str]:
-    """`kubectl port-forward` to a pod's port; yields the local base URL."""
+    """`kubectl port-forward` to a pod's port; yields the local base URL.
+
+    kubectl exits when a forwarded connection fails (say, the pod's network is not up at the first
+    one), so a forward that exited is started again until the deadline; its output names the cause."""
     local = free_port()
     argv = ["kubectl", *active().kube_args, "-n", namespace, "port-forward", f"pod/{pod}", f"{local}:{port}"]
-    proc = subprocess.Popen(argv, env=tools_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{local}"
-    try:
-        wait_until(lambda: proc.poll() is None and (http_ok(url + "/healthz") or http_ok(url + "/health")),
-                   30, f"port-forward to {pod}:{port}")  # fmt: skip
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with tempfile.TemporaryFile("w+") as log:
+
+        def start() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(argv, env=tools_env(), stdout=log, stderr=subprocess.STDOUT)
+
+        proc = start()
+
+        def forwarding() -> bool:
+            nonlocal proc
+            if proc.poll() is not None:
+                proc = start()
+                return False
+            return http_ok(url + "/healthz") or http_ok(url + "/health")
+
+        try:
+            try:
+                wait_until(forwarding, 30, f"port-forward to {pod}:{port}")
+            except TimeoutError as e:
+                log.seek(0)
+                raise TimeoutError(f"{e}; kubectl said:\n{log.read()[-2000:]}") from None
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(10)
