@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import psutil
 
 WORKER_OTHERS = "the worker's threads beside the forward (kvpool's save thread)"
+SAVE_THREAD = "of them, kvpool's save thread"
 SIDECAR = "sidecar"
 API_SERVER = "API server"
 # Not CPU time: how long the forward's thread was ready to run but waited for a CPU (another thread
 # held its core), schedstat's second field.
 FORWARD_WAITED = "the forward's thread, waiting for a CPU (run queue)"
-ROLES = (WORKER_OTHERS, SIDECAR, API_SERVER, FORWARD_WAITED)
+ROLES = (WORKER_OTHERS, SAVE_THREAD, SIDECAR, API_SERVER, FORWARD_WAITED)
 
 
 # schedstat's fields: nanoseconds a thread has run, and has waited on a run queue
@@ -35,12 +36,24 @@ def _schedstat_ns(pid: int, tid: int, field: int = RAN) -> int:
         return 0
 
 
-def _process_ns(pid: int) -> int:
+def _process_ns(pid: int, named: str | None = None) -> int:
+    """The CPU time of a process's threads (those whose OS name is `named`, if given)."""
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         return 0
+    if named is not None:
+        tids = [t for t in tids if _comm(pid, t) == named]
     return sum(_schedstat_ns(pid, t) for t in tids)
+
+
+def _comm(pid: int, tid: int) -> str | None:
+    """A thread's OS name (kvpool names its own: affinity.name_native_thread); None once it has ended."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class ServerProcesses:
         """Nanoseconds so far, by role."""
         return {
             WORKER_OTHERS: _process_ns(self.worker) - _schedstat_ns(self.worker, self.worker),
+            SAVE_THREAD: _process_ns(self.worker, named="kvpool-save"),
             SIDECAR: _process_ns(self.sidecar) if self.sidecar is not None else 0,
             API_SERVER: _process_ns(self.api_server),
             FORWARD_WAITED: _schedstat_ns(self.worker, self.worker, WAITED),

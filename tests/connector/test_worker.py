@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 
 import torch
 from workerkit import Layers, chunk_ops, make_layers, run_loads, save
@@ -249,6 +250,15 @@ def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidec
             assert compute not in os.sched_getaffinity(tid), f"the {name} thread runs on the compute core"
     finally:
         os.sched_setaffinity(0, allowed)
+
+
+def test_the_save_and_load_threads_are_named_where_the_os_shows_threads(sidecar_factory) -> None:
+    """`top -H` and /proc tell kvpool's threads from vLLM's: without a name of their own, every thread
+    of a vLLM process is "python"."""
+    proc = sidecar_factory("16Mi")
+    saver, loader = _save_and_load_threads(proc.info["url"], seed=9)
+    comm = {tid: Path(f"/proc/{os.getpid()}/task/{tid}/comm").read_text().strip() for tid in (saver, loader)}
+    assert comm == {saver: "kvpool-save", loader: "kvpool-load_0"}
 
 
 def test_the_save_thread_yields_the_cpu_to_vllms_threads_the_load_thread_does_not(sidecar_factory) -> None:
