@@ -156,6 +156,7 @@ def test_load_config_defaults_types_and_unknown_keys() -> None:
         ("shm_path", 3),
         ("copy_threads", 0),
         ("copy_threads", True),
+        ("save_process", 1),
     ],
 )
 def test_load_config_rejects_wrong_values_naming_the_key(key: str, value: object) -> None:

@@ -7,11 +7,12 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 from workerkit import Layers, chunk_ops, make_layers, run_loads, save
 
-from kvpool_connector import saver
+from kvpool_connector import save_process, saver
 from kvpool_connector.affinity import SAVE_NICENESS
 from kvpool_connector.breaker import BREAKER_SECONDS, Breaker
 from kvpool_connector.common import ChunkOp, LoadSpec, SaveSpec, StepPlan
@@ -22,9 +23,9 @@ from kvpool_connector.worker import KVPoolWorker
 from kvpool_sidecar.client import SidecarClient
 
 
-def _two_workers(url: str, seed: int) -> tuple[KVPoolWorker, KVPoolWorker, Layers, Layers]:
+def _two_workers(url: str, seed: int, **config: Any) -> tuple[KVPoolWorker, KVPoolWorker, Layers, Layers]:
     """A worker whose cache holds random KV, and one whose cache is zeros, on the same sidecar."""
-    cfg = KVPoolConfig(sidecar_url=url, chunk_size=64)
+    cfg = KVPoolConfig(sidecar_url=url, chunk_size=64, **config)
     src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
     src_layers, dst_layers = make_layers(seed), make_layers(None)
     src.register_kv_caches(src_layers)
@@ -223,9 +224,9 @@ def test_an_in_step_load_lands_before_the_forward_and_a_failed_one_keeps_none_of
     assert client.lookup([rank_key(written[0].link, 0)]) == 1
 
 
-def _save_and_load_threads(url: str, seed: int) -> tuple[int, int]:
+def _save_and_load_threads(url: str, seed: int) -> tuple[int, int, int]:
     """Saves a chunk with one worker and loads it with another, as vLLM's thread would; the native ids
-    of the save thread and the load thread that did it."""
+    of the save thread and the load thread that did it, and the save process's pid."""
     src, dst, _, _ = _two_workers(url, seed)
     saves = chunk_ops([[0, 1]])
     save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
@@ -233,7 +234,8 @@ def _save_and_load_threads(url: str, seed: int) -> tuple[int, int]:
     (loader,) = dst.loader._thread._threads
     saver = src.saver._thread
     assert saver is not None and saver.native_id is not None and loader.native_id is not None
-    return saver.native_id, loader.native_id
+    assert src._save_process is not None
+    return saver.native_id, loader.native_id, src._save_process.pid
 
 
 def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidecar_factory) -> None:
@@ -246,8 +248,9 @@ def test_the_save_and_load_threads_leave_the_cores_the_forward_is_bound_to(sidec
     compute = min(allowed)
     os.sched_setaffinity(0, {compute})  # as vLLM binds its thread
     try:
-        for name, tid in zip(("save", "load"), _save_and_load_threads(proc.info["url"], seed=5), strict=True):
-            assert compute not in os.sched_getaffinity(tid), f"the {name} thread runs on the compute core"
+        names = ("save thread", "load thread", "save process")
+        for name, tid in zip(names, _save_and_load_threads(proc.info["url"], seed=5), strict=True):
+            assert compute not in os.sched_getaffinity(tid), f"the {name} runs on the compute core"
     finally:
         os.sched_setaffinity(0, allowed)
 
@@ -256,7 +259,7 @@ def test_the_save_and_load_threads_are_named_where_the_os_shows_threads(sidecar_
     """`top -H` and /proc tell kvpool's threads from vLLM's: without a name of their own, every thread
     of a vLLM process is "python"."""
     proc = sidecar_factory("16Mi")
-    saver, loader = _save_and_load_threads(proc.info["url"], seed=9)
+    saver, loader, _ = _save_and_load_threads(proc.info["url"], seed=9)
     comm = {tid: Path(f"/proc/{os.getpid()}/task/{tid}/comm").read_text().strip() for tid in (saver, loader)}
     assert comm == {saver: "kvpool-save", loader: "kvpool-load_0"}
 
@@ -266,9 +269,10 @@ def test_the_save_thread_yields_the_cpu_to_vllms_threads_the_load_thread_does_no
     (a CPU engine's other cores) it runs below them: the first token reaches the client first. A load
     is on a returning user's TTFT and keeps vLLM's priority."""
     proc = sidecar_factory("16Mi")
-    saver, loader = _save_and_load_threads(proc.info["url"], seed=7)
+    saver, loader, process = _save_and_load_threads(proc.info["url"], seed=7)
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert os.getpriority(os.PRIO_PROCESS, saver) == min(19, mine + SAVE_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, process) == min(19, mine + SAVE_NICENESS)
     assert os.getpriority(os.PRIO_PROCESS, loader) == mine
 
 
@@ -281,7 +285,7 @@ def test_the_save_and_load_threads_copy_on_one_thread_not_the_forwards_openmp_te
     torch.set_num_threads(2)  # as vLLM's CPU worker does for two compute cores
     try:
         proc = sidecar_factory("16Mi")
-        src, dst, _, _ = _two_workers(proc.info["url"], seed=6)
+        src, dst, _, _ = _two_workers(proc.info["url"], seed=6, save_process=False)  # saves on the thread
         seen: dict[str, int] = {}
         save_cpu = src.io.save_cpu
 
@@ -352,3 +356,67 @@ def test_a_block_prefix_key_loads_the_first_blocks_of_the_chunk_that_holds_them(
     # a key that names no chunk and no prefix is a load error, as ever
     meta = StepPlan(loads=[LoadSpec("c", [ChunkOp(b"q" * 16, 1, [12])])])
     assert run_loads(dst, meta) == {12}
+
+
+def test_a_cpu_workers_saves_run_in_a_process_of_their_own_that_reads_its_blocks(sidecar_factory) -> None:
+    """On a CPU engine the forward runs Python between its kernels, and a save thread's copies and
+    hashes take turns at its GIL: the saves run in a child process that reads the blocks out of the
+    worker's memory. A stopped child holds the step's saves (they are its, not the thread's); once it
+    runs on, they land bit-exact."""
+    proc = sidecar_factory("16Mi")
+    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=10)
+    child = src._save_process
+    assert child is not None and child.pid != os.getpid()
+    assert Path(f"/proc/{child.pid}/comm").read_text().strip() == save_process.PROCESS_NAME
+    saves = chunk_ops([[3, 7], [1, 12]])
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        src.finish_step(StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
+        src.begin_step(StepPlan(step=2))
+        assert not src.saver.drain(1.0), "the saves ran without the save process"
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    assert src.saver.drain(30)
+    assert (src.take_stats() or {})["saved_chunks"] == 2
+    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", chunk_ops([[0, 2], [4, 8]]))])) == set()
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        for sb, db in [(3, 0), (7, 2), (1, 4), (12, 8)]:
+            assert torch.equal(s[sb], d[db])
+
+
+def test_a_killed_save_process_costs_one_steps_saves_then_the_worker_saves_on_its_own_thread(
+    sidecar_factory, caplog
+) -> None:
+    proc = sidecar_factory("16Mi")
+    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=11)
+    child = src._save_process
+    assert child is not None
+    os.kill(child.pid, signal.SIGKILL)
+    first, second = chunk_ops([[0, 1], [2, 3]])
+    save(src, StepPlan(saves=[SaveSpec("a", 0, [first])], step=1))
+    assert (src.take_stats() or {})["save_skipped_chunks"] == 1
+    assert "the save process is gone" in caplog.text and src._save_process is None
+    save(src, StepPlan(saves=[SaveSpec("a", 0, [second])], step=2))
+    assert (src.take_stats() or {})["saved_chunks"] == 1
+    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", [ChunkOp(second.link, 2, [5, 6])])])) == set()
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        assert torch.equal(s[2], d[5]) and torch.equal(s[3], d[6])
+
+
+def test_a_save_process_that_cannot_read_the_workers_memory_leaves_the_saves_on_its_thread(
+    sidecar_factory, caplog, monkeypatch
+) -> None:
+    """Where the kernel refuses the read (ptrace's rules, a seccomp profile), the child says so at
+    start and the worker saves as before. Here the child is pointed at an unmapped address (EFAULT)."""
+    unmapped = classmethod(lambda cls, layer: cls(4096, layer.page_bytes, layer.page_bytes))
+    monkeypatch.setattr(save_process.RemoteLayer, "of", unmapped)
+    proc = sidecar_factory("16Mi")
+    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=12)
+    assert src._save_process is None
+    assert "cannot read the worker's KV cache" in caplog.text
+    saves = chunk_ops([[4, 5]])
+    save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
+    assert (src.take_stats() or {})["saved_chunks"] == 1
+    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)])) == set()
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        assert torch.equal(s[4], d[4]) and torch.equal(s[5], d[5])

@@ -9,8 +9,6 @@ import os
 import re
 import threading
 
-import torch
-
 from .logs import connector_logger
 
 log = connector_logger(__name__)
@@ -31,13 +29,13 @@ def side_thread() -> None:
     name_native_thread()
 
 
-def name_native_thread() -> None:
-    """Gives the calling thread's OS name its Python name (kvpool-save, kvpool-load_0, ...), so that
-    `top -H`, `ps -L` and /proc/<pid>/task/<tid>/comm tell kvpool's threads in a vLLM process from
-    vLLM's own, all of which are "python" otherwise. Python 3.11 does not do it."""
-    name = threading.current_thread().name.encode()[:15]
+def name_native_thread(name: str | None = None) -> None:
+    """Gives the calling thread's OS name its Python name (kvpool-save, kvpool-load_0, ...) or `name`,
+    so that `top -H`, `ps -L` and /proc/<pid>/task/<tid>/comm tell kvpool's threads in a vLLM process
+    from vLLM's own, all of which are "python" otherwise. Python 3.11 does not do it."""
+    raw = (name or threading.current_thread().name).encode()[:15]
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the name stays as it is
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)
 
 
 def below_vllm(niceness: int = SAVE_NICENESS) -> None:
@@ -70,6 +68,8 @@ def one_openmp_thread() -> None:
     save took over 250 ms instead of about 1 (bench/save_interference_bench.py, part 1).
     torch.set_num_threads would change the count of every thread started after; OpenMP's own call
     changes this thread's alone."""
+    import torch  # here: the save process moves itself off the forward's cores without torch
+
     if torch.get_num_threads() == 1:  # also torch's per-thread set-up, which would undo the call below
         return
     with open("/proc/self/maps") as maps:

@@ -21,11 +21,28 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
-from kvpool_sidecar.client_errors import SidecarUnavailable
+from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.client_errors import SidecarError, SidecarUnavailable
 from kvpool_sidecar.wire import arena_epoch, map_populated
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import KVPoolConfig
+
+
+def arena_path(cfg: KVPoolConfig, client: SidecarClient) -> str:
+    """Where the sidecar's arena file is: in the pool's shared memory volume, else where it says."""
+    if cfg.shm_path:
+        return os.path.join(cfg.shm_path, "arena")
+    try:
+        return str(client.arena_info()["path"])
+    except KeyError as e:
+        raise SidecarError(f"GET /v1/arena named no path: {e!r}") from e
 
 
 class ArenaChanged(SidecarUnavailable):
@@ -35,8 +52,17 @@ class ArenaChanged(SidecarUnavailable):
 @dataclass(eq=False)
 class _Mapped:
     mmap: mmap.mmap
-    tensor: torch.Tensor
+    array: np.ndarray  # its bytes
     identity: tuple[int, int, int]  # (st_dev, st_ino, size) of the file mapped
+    _tensor: Any = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            import torch  # here: the save process maps the arena and never imports torch
+
+            self._tensor = torch.from_numpy(self.array)
+        return self._tensor
 
 
 class ArenaMapping:
@@ -51,21 +77,34 @@ class ArenaMapping:
     def slot(self, epoch: int, offset: int, length: int) -> torch.Tensor:
         """A slot's bytes in the arena of `epoch`; ArenaChanged when it is not in this mapping (a bug
         or a sidecar that named another file: never a short view, whose copy would fail or fault)."""
-        arena = self.tensor(epoch)
-        if offset < 0 or length < 0 or offset + length > arena.numel():
-            raise ArenaChanged(f"slot [{offset}, +{length}) is outside the {arena.numel()}-byte arena")
-        return arena[offset : offset + length]
+        arena = self._mapped(epoch)
+        self._check(arena, offset, length)
+        return arena.tensor[offset : offset + length]
+
+    def slot_array(self, epoch: int, offset: int, length: int) -> np.ndarray:
+        """slot() as a numpy array."""
+        arena = self._mapped(epoch)
+        self._check(arena, offset, length)
+        return arena.array[offset : offset + length]
+
+    @staticmethod
+    def _check(arena: _Mapped, offset: int, length: int) -> None:
+        if offset < 0 or length < 0 or offset + length > arena.array.nbytes:
+            raise ArenaChanged(f"slot [{offset}, +{length}) is outside the {arena.array.nbytes}-byte arena")
 
     def tensor(self, epoch: int) -> torch.Tensor:
         """The arena as a uint8 tensor, if it is the arena of `epoch`; raises ArenaChanged if not."""
+        return self._mapped(epoch).tensor
+
+    def _mapped(self, epoch: int) -> _Mapped:
         with self._lock:
             current = self._current
-            if current is not None and arena_epoch(current.tensor.numpy()) == epoch:
-                return current.tensor
+            if current is not None and arena_epoch(current.array) == epoch:
+                return current
             mapped = self._map()
-            if arena_epoch(mapped.tensor.numpy()) != epoch:
+            if arena_epoch(mapped.array) != epoch:
                 raise ArenaChanged(f"the arena is not the one of epoch {epoch}: the sidecar restarted")
-            return mapped.tensor
+            return mapped
 
     def _map(self) -> _Mapped:
         """The file now at the path: the current mapping if it is the same file, else a new one."""
@@ -86,7 +125,7 @@ class ArenaMapping:
                 raise SidecarUnavailable(f"cannot map the arena {self._path}: {e!r}") from e
         finally:
             os.close(fd)
-        mapped = _Mapped(m, torch.frombuffer(m, dtype=torch.uint8), identity)
+        mapped = _Mapped(m, np.frombuffer(m, dtype=np.uint8), identity)
         self._all.append(mapped)
         self._current = mapped
         return mapped

@@ -45,6 +45,9 @@ class KVPoolConfig:
     # stages two chunks of pinned memory ahead of a load. null: half of this worker's share of the
     # CPUs its container may use, at most 8 (cpu_share.py).
     copy_threads: int | None = None
+    # CPU: saves in a process of their own, which reads the blocks out of the worker's memory
+    # (save_process.py), so that they take no turns at vLLM's GIL; false: on the worker's save thread.
+    save_process: bool = True
 
 
 # key -> (accepted types, check on the value or None, what a valid value is)
@@ -65,6 +68,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "async_saves": ((bool,), None, "true or false"),
     "sync_loads": ((bool, type(None)), None, "true, false or null"),
     "copy_threads": ((int, type(None)), lambda v: v is None or v > 0, "a positive integer or null"),
+    "save_process": ((bool,), None, "true or false"),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(KVPoolConfig)}
 

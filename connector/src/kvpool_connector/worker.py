@@ -24,7 +24,6 @@ threads. Measured on an H100 (BENCHMARKS.md, #26).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import threading
 import time
@@ -34,13 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from kvpool_sidecar.client import Slot
-from kvpool_sidecar.client_errors import SidecarError, SidecarRefused, SidecarTimeout
+from kvpool_sidecar.client_errors import SidecarError, SidecarRefused
 from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
 from .affinity import side_thread
-from .arena_mapping import ArenaMapping
+from .arena_mapping import ArenaMapping, arena_path
 from .breaker import Breaker
 from .chunk_io import ChunkIO
+from .chunk_saves import ChunkSave, ChunkSaves, SaveOutcome
 from .common import ChunkOp, StepPlan
 from .config import KVPoolConfig, sidecar_client
 from .counters import Counts
@@ -50,6 +50,7 @@ from .loader import ChunkLoader
 from .logs import connector_logger
 from .paged import PagedLayer
 from .ratelimit import RateLimitedLog
+from .save_process import RemoteLayer, SaveProcess, SaveProcessGone, Setup
 from .saver import SaveJob, SaveQueue
 
 log = connector_logger(__name__)
@@ -70,15 +71,6 @@ class _Staged:
     done: torch.cuda.Event | None = None  # recorded on the side stream after the step's last copy
 
 
-@dataclass
-class _Save:
-    op: ChunkOp
-    key: str
-    priority: int
-    staged: _Staged | None = None  # CUDA: the step's pinned copy holding this chunk's blocks
-    first: int = 0  # the chunk's first row in it
-
-
 class KVPoolWorker:
     def __init__(self, cfg: KVPoolConfig, rank: int, saves: bool = True):
         self.cfg = cfg
@@ -94,7 +86,7 @@ class KVPoolWorker:
         self._stream: torch.cuda.Stream | None = None
         self._pool: ThreadPoolExecutor | None = None  # CUDA: the copy threads
         self.copy_threads = 0  # CUDA: how many (the config's, or cpu_share's default)
-        self._saves: list[_Save] = []  # CUDA: this step's saves, copied out layer by layer
+        self._saves: list[ChunkSave] = []  # CUDA: this step's saves, copied out layer by layer
         self._saves_of: StepPlan | None = None  # the step _saves belong to
         self._staged: dict[int, _Staged] = {}  # their pinned copies, by KV cache group
         self._layers_out: set[int] = set()  # layers of _saves already queued
@@ -106,6 +98,8 @@ class KVPoolWorker:
         self._warn = RateLimitedLog(log)
         self.loader = ChunkLoader(self.client, rank, self.stats, self._warn)
         self.saver = SaveQueue(self._run_save, threaded=cfg.async_saves)
+        self._chunk_saves = ChunkSaves(self.client, rank, self._chunk_bytes, self.stats, self._warn)
+        self._save_process: SaveProcess | None = None  # CPU: where the save thread's saves run
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -127,11 +121,12 @@ class KVPoolWorker:
                 self.copy_threads, thread_name_prefix="kvpool-copy", initializer=side_thread
             )
         self.loader.attach(self.io, self._mapping, self._stream, self._pool, self.copy_threads)
+        self._start_save_process(layers)
         if chunk_blocks:
             self._check_chunk_size(chunk_blocks * self.io.max_block_bytes)
         log.info(
             "kvpool: %d layers, %d bytes per block, %d KV cache group(s), %s copies, device %s%s, "
-            "keys of rank %d%s",
+            "keys of rank %d%s%s",
             len(layers),
             self.io.max_block_bytes,
             len(self.io.groups),
@@ -140,7 +135,25 @@ class KVPoolWorker:
             f" ({self.copy_threads} copy threads)" if self.copy_threads else "",
             self.rank,
             "" if self.saves else " (loads only: another TP rank saves the same KV)",
+            f", saves in process {self._save_process.pid}" if self._save_process else "",
         )
+
+    def _start_save_process(self, layers: list[PagedLayer]) -> None:
+        """CPU: starts the process the saves run in (save_process.py), where the config allows and every
+        layer's blocks are byte rows; it reads vLLM's blocks where they are."""
+        if self._save_process is not None:  # the engine's KV cache was allocated again
+            self._save_process.close()
+            self._save_process = None
+        cfg = self.cfg
+        if self.io.cuda or not (self.saves and cfg.save_process and cfg.async_saves):
+            return
+        if not layers or not all(layer.dense for layer in layers):
+            return
+        remote = [RemoteLayer.of(layer) for layer in layers]
+        try:
+            self._save_process = SaveProcess(Setup(cfg, self.rank, os.getpid(), remote, self.io.groups))
+        except (OSError, SaveProcessGone) as e:  # it cannot read the worker's memory, or never started
+            log.warning("kvpool: saves run on the worker's own thread: no save process (%s)", e)
 
     def _check_chunk_size(self, size: int) -> None:
         """Turns saving off at start, with one clear error, when the sidecar refuses chunks this big
@@ -158,12 +171,7 @@ class KVPoolWorker:
                 return
 
     def _arena_path(self) -> str:
-        if self.cfg.shm_path:
-            return os.path.join(self.cfg.shm_path, "arena")
-        try:
-            return str(self.client.arena_info()["path"])
-        except KeyError as e:
-            raise SidecarError(f"GET /v1/arena named no path: {e!r}") from e
+        return arena_path(self.cfg, self.client)
 
     # --- loads (loader.py) -----------------------------------------------------------------------
 
@@ -184,10 +192,11 @@ class KVPoolWorker:
 
     # --- saves -----------------------------------------------------------------------------------
 
-    def _planned(self, meta: StepPlan) -> list[_Save]:
+    def _planned(self, meta: StepPlan) -> list[ChunkSave]:
         if self._saves_refused or not self.saves:
             return []
-        saves = [_Save(op, rank_key(op.link, self.rank), s.priority) for s in meta.saves for op in s.chunks]
+        key = lambda op: rank_key(op.link, self.rank)  # noqa: E731
+        saves = [ChunkSave(op, key(op), s.priority) for s in meta.saves for op in s.chunks]
         if saves and meta.step == self._unsaved_step:
             self.stats.add("save_skipped_chunks", len(saves))
             return []
@@ -228,10 +237,13 @@ class KVPoolWorker:
                 self._staged_bytes += sum(self._bytes(s) for s in saves)
             self._staged[group] = staged
 
-    def _bytes(self, s: _Save) -> int:
-        return self.io.chunk_bytes(s.op.chunk_blocks, s.op.group)
+    def _bytes(self, s: ChunkSave) -> int:
+        return self._chunk_bytes(s.op)
 
-    def _unstage(self, saves: list[_Save]) -> None:
+    def _chunk_bytes(self, op: ChunkOp) -> int:
+        return self.io.chunk_bytes(op.chunk_blocks, op.group)
+
+    def _unstage(self, saves: list[ChunkSave]) -> None:
         """Gives back the pinned bytes of saves that finished or were dropped (those given a buffer)."""
         with self._staged_lock:
             self._staged_bytes -= sum(self._bytes(s) for s in saves if s.staged)
@@ -305,72 +317,42 @@ class KVPoolWorker:
             if self._save_breaker.open:  # tripped by an earlier step's save while this one was queued
                 self.stats.add("save_skipped_chunks", len(job.saves))
                 return
-            self._save(job)
+            outcome = self._save(job)
+            if outcome.timed_out is not None:
+                self._save_breaker.trip()
+                seconds = self._save_breaker.seconds
+                msg = "kvpool: a save timed out, none for %.0f s: %s"
+                self._warn.warning("save-timeout", msg, seconds, outcome.timed_out)
+            if outcome.refused is not None:
+                self._refused(outcome.refused)
         except Exception:  # a bug: a future miss, never a failed request
             self._warn.exception("save-bug", "kvpool: saving %d chunks failed", len(job.saves))
         finally:
             self._unstage(job.saves)
         self.stats.add("save_seconds", time.perf_counter() - t0)
 
-    def _reserve(self, saves: list[_Save]) -> list[tuple[_Save, Slot]]:
-        """Slots for the chunks the sidecar takes, by priority (higher ones may evict lower ones)."""
-        reserved = []
-        for priority in dict.fromkeys(s.priority for s in saves):
-            group = [s for s in saves if s.priority == priority]
-            slots = self.client.reserve(
-                [(s.key, self.io.chunk_bytes(s.op.chunk_blocks, s.op.group)) for s in group],
-                priority=priority,
-                groups={s.key: s.op.link.hex() for s in group},  # every rank's copy: one group
-                prefixes={s.key: [rank_key(link, self.rank) for link in s.op.prefixes] for s in group},
-            )
-            for s, slot in zip(group, slots, strict=True):
-                if slot is None:
-                    self.stats.add("save_skipped_chunks")  # stored already, or no room
-                else:
-                    reserved.append((s, slot))
-        return reserved
-
-    def _save(self, job: SaveJob) -> None:
-        reserved: list[tuple[_Save, Slot]] = []
-        written: list[tuple[Slot, int]] = []
-        try:
-            reserved = self._reserve(job.saves)
-            if reserved and not self.saver.start_copy(job):  # fenced off (counted by fence)
-                with contextlib.suppress(SidecarError):
-                    self.client.abort([slot for _, slot in reserved])
-                return
+    def _save(self, job: SaveJob) -> SaveOutcome:
+        """One step's saves: in the save process where there is one, else on this thread."""
+        start_copy, end_copy = (lambda: self.saver.start_copy(job)), (lambda: self.saver.end_copy(job))
+        if self._save_process is not None:
             try:
-                written = self._write_all(reserved)
-            finally:
-                self.saver.end_copy(job)
-            committed = self.client.commit(written)
-        except SidecarRefused as e:
-            self._refused(e)
-            committed = []
-        except SidecarTimeout as e:
-            self._save_breaker.trip()
-            self.stats.add("sidecar_errors")
-            seconds = self._save_breaker.seconds
-            self._warn.warning("save-timeout", "kvpool: a save timed out, none for %.0f s: %s", seconds, e)
-            committed = []
-        except SidecarError as e:
-            self.stats.add("sidecar_errors")
-            self._warn.warning("save", "kvpool: saving %d chunks failed: %s", len(job.saves), e)
-            committed = []
-        if len(committed) < len(reserved) and not self._save_breaker.open:
-            with contextlib.suppress(SidecarError):  # the reservations expire by themselves too
-                self.client.abort([slot for _, slot in reserved])
-        done = [slot for (slot, _), ok in zip(written, committed, strict=False) if ok]
-        refused = sum(1 for ok in committed if not ok)
-        if refused:
-            self.stats.add("save_refused_chunks", refused)
-            self._warn.warning(
-                "refused", "kvpool: the sidecar refused %d commits (reservations expired)", refused
-            )
-        self.stats.add("saved_chunks", len(done))
-        self.stats.add("saved_bytes", sum(slot.length for slot in done))
+                outcome, counts = self._save_process.save(job.saves, start_copy, end_copy)
+            except SaveProcessGone as e:
+                self.stats.add("save_skipped_chunks", len(job.saves))
+                self._no_save_process(f"the save process is gone ({e}); saves run on the worker's thread")
+                return SaveOutcome()
+            for name, value in counts.items():
+                self.stats.add(name, value)
+            return outcome
+        return self._chunk_saves.save(job.saves, self._write_all, start_copy, end_copy)
 
-    def _write_all(self, reserved: list[tuple[_Save, Slot]]) -> list[tuple[Slot, int]]:
+    def _no_save_process(self, why: str) -> None:
+        log.warning("kvpool: %s", why)
+        if self._save_process is not None:
+            self._save_process.close()
+            self._save_process = None
+
+    def _write_all(self, reserved: list[tuple[ChunkSave, Slot]]) -> list[tuple[Slot, int]]:
         """Writes the reserved chunks: on CUDA several at once on the copy threads (each hashes and
         copies); returns once none writes any more."""
         if self._pool is None or len(reserved) < 2:
@@ -379,7 +361,7 @@ class KVPoolWorker:
         concurrent.futures.wait(futures)
         return [(slot, f.result()) for (_, slot), f in zip(reserved, futures, strict=True)]
 
-    def _write(self, s: _Save, slot: Slot) -> int:
+    def _write(self, s: ChunkSave, slot: Slot) -> int:
         """Writes one chunk into its reserved slot; returns the checksum of its source bytes."""
         chunk = self._mapping.slot(slot.epoch, slot.offset, slot.length)
         if s.staged is None:
@@ -389,7 +371,7 @@ class KVPoolWorker:
         st = s.staged
         return self.io.save_staged(chunk, st.buf, st.total, s.first, s.op.chunk_blocks, s.op.group)
 
-    def _refused(self, e: SidecarError) -> None:
+    def _refused(self, e: SidecarError | str) -> None:
         """The sidecar refuses our chunks as such (larger than its --max-chunk-bytes): say so once and
         stop saving; asking again every step would only repeat it."""
         self._saves_refused = True
@@ -405,6 +387,8 @@ class KVPoolWorker:
 
     def shutdown(self) -> None:
         self.saver.close()  # queued saves dropped; none writes the arena after this
+        if self._save_process is not None:
+            self._save_process.close()
         self.loader.shutdown()  # no copy reads the arena after this
         if self._pool is not None:
             self._pool.shutdown(wait=True)
