@@ -227,7 +227,7 @@ class _Child:
         self._copying = False
 
     def _chunk_bytes(self, op: Any) -> int:
-        return len(op.block_ids) * sum(self.setup.layers[i].page_bytes for i in self.setup.groups[op.group])
+        return op.chunk_blocks * sum(self.setup.layers[i].page_bytes for i in self.setup.groups[op.group])
 
     def check(self) -> str:
         """ "ready" once a block can be read from the worker, else why not."""
@@ -252,25 +252,24 @@ class _Child:
             self.conn.send("copied")
 
     def _write_all(self, reserved: list[tuple[ChunkSave, Any]]) -> list[tuple[Any, int]]:
-        """Reads every chunk into the private buffer, tells the worker it reads no block any more, then
-        hashes each and copies it into its slot."""
+        """Chunk by chunk: reads it into the private buffer (one chunk: a long prompt's step must not
+        double in memory here), hashes that copy and writes it into its slot; tells the worker once
+        it reads no block any more."""
         from kvpool_sidecar.wire import checksum
 
-        sizes = [slot.length for _, slot in reserved]
-        if self._buffer.nbytes < sum(sizes):
-            self._buffer = self._np.empty(sum(sizes), dtype=self._np.uint8)
-        pos = 0
-        for (s, _), size in zip(reserved, sizes, strict=True):
+        written = []
+        for n, (s, slot) in enumerate(reserved):
+            if self._buffer.nbytes < slot.length:
+                self._buffer = self._np.empty(slot.length, dtype=self._np.uint8)
+            mine = self._buffer[: slot.length]
             pieces = chunk_pieces(self.setup.layers, self.setup.groups[s.op.group], s.op.block_ids)
-            read_remote(self.setup.pid, self._buffer.ctypes.data + pos, pieces)
-            pos += size
-        self._end_copy()
-        written, pos = [], 0
-        for (_, slot), size in zip(reserved, sizes, strict=True):
-            mine = self._buffer[pos : pos + size]
+            if sum(n for _, n in pieces) != slot.length:  # never read past the buffer
+                raise ValueError(f"{len(s.op.block_ids)} blocks for a {s.op.chunk_blocks}-block chunk")
+            read_remote(self.setup.pid, mine.ctypes.data, pieces)
+            if n == len(reserved) - 1:
+                self._end_copy()
             self.mapping.slot_array(slot.epoch, slot.offset, slot.length)[:] = mine
             written.append((slot, checksum(mine)))
-            pos += size
         return written
 
     def serve(self) -> None:
@@ -285,7 +284,13 @@ class _Child:
             except OSError as e:  # the worker's memory could not be read: a miss, said once a while
                 self.saves.warn.warning("read", "kvpool: the save process read no blocks: %s", e)
                 outcome = SaveOutcome()
-            self.conn.send((outcome, self.stats.take() or {}))
+            except Exception:  # a bug: a future miss, never a failed request
+                self.saves.warn.exception("save-bug", "kvpool: saving %d chunks failed", len(saves))
+                outcome = SaveOutcome()
+            try:
+                self.conn.send((outcome, self.stats.take() or {}))
+            except OSError:  # the worker died meanwhile
+                return
 
 
 def main(fd: int) -> None:
