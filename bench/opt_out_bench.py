@@ -264,50 +264,65 @@ def main() -> None:
     run(BENCH, "bench-llama", "opt-out.json")
 
 
-def run(shape: ModelShape, model_name: str, results: str) -> None:
+def run(
+    shape: ModelShape,
+    model_name: str,
+    results: str,
+    configs: dict[str, dict[str, Any]] | None = None,
+    levels: Sequence[int] = tuple(ROUNDS),
+    sets: int = SETS,
+) -> None:
     """The bench on a model of `shape` (made in the temp dir's kvpool-models/`model_name`), its every
-    request and phase written to bench/results/`results`."""
+    request and phase written to bench/results/`results`. `configs`: connector settings by name, each
+    set of servers one of each, their order alternating set to set; pooled per name."""
     print(f"({load_note()})")
+    configs = configs or {"": {}}
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / model_name, shape)
     groups = 2 if shape.full_attention_every else 1  # vLLM's hybrid manager: full and windowed groups
-    pooled = {lv: Level() for lv in ROUNDS}
+    pooled = {(name, lv): Level() for name in configs for lv in levels}
     records: list[dict[str, Any]] = []
     with mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}):
-        for n in range(SETS):
-            with (
-                tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
-                contextlib.ExitStack() as stack,
-            ):
-                trace = Path(d) / "trace"
-                trace.mkdir()
-                stack.enter_context(mock.patch.dict(os.environ, server_env(Path(d) / "plugin", trace)))
-                side = stack.enter_context(sidecar(Path(d) / "sidecar", "2Gi"))
-                spec = kvpool_connector_spec(side, CHUNK)
-                url = stack.enter_context(
-                    bench_server(model, Path(d) / "vllm.log", ENGINE_BLOCKS, connector=spec)
-                )
-                request(client(url), unique_prompts(1, seed=99)[0])  # warm-up
-                procs = ServerProcesses.find()
-                print(f"set {n}: server up ({load_note()})", flush=True)
-                for level in ROUNDS:
-                    t0 = time.perf_counter()
-                    at = run_level(url, side, procs, level, seed=30_000 + 100 * n + level, groups=groups)
-                    engine_call(url, "/pause?mode=keep&clear_cache=false")  # the engine core writes
-                    engine_call(url, "/resume")  # its trace records at a pause
-                    at.trace(trace_records(trace))
-                    waves = {a: [asdict(w) for w in at.waves[a]] for a in ARMS}
-                    figures = {"cpu": at.cpu, "phases": at.phases, "steps": at.steps}
-                    records.append({"set": n, "level": level, **figures, **waves})
-                    pooled[level].add(at)
-                    shown = "\n".join(
-                        table(level, at) + phase_table(level, at) + differences(level, at.cpu, ROLES)
+        for n in range(sets):
+            names = list(configs) if n % 2 == 0 else list(reversed(configs))
+            for name in names:
+                with (
+                    tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
+                    contextlib.ExitStack() as stack,
+                ):
+                    trace = Path(d) / "trace"
+                    trace.mkdir()
+                    stack.enter_context(mock.patch.dict(os.environ, server_env(Path(d) / "plugin", trace)))
+                    side = stack.enter_context(sidecar(Path(d) / "sidecar", "2Gi"))
+                    spec = kvpool_connector_spec(side, CHUNK)
+                    spec["extra"].update(configs[name])
+                    url = stack.enter_context(
+                        bench_server(model, Path(d) / "vllm.log", ENGINE_BLOCKS, connector=spec)
                     )
-                    print(shown, f"[{time.perf_counter() - t0:.0f} s]", flush=True)
+                    request(client(url), unique_prompts(1, seed=99)[0])  # warm-up
+                    procs = ServerProcesses.find()
+                    print(f"set {n}{f' ({name})' if name else ''}: server up ({load_note()})", flush=True)
+                    for level in levels:
+                        t0 = time.perf_counter()
+                        at = run_level(url, side, procs, level, seed=30_000 + 100 * n + level, groups=groups)
+                        engine_call(url, "/pause?mode=keep&clear_cache=false")  # the engine core writes
+                        engine_call(url, "/resume")  # its trace records at a pause
+                        at.trace(trace_records(trace))
+                        waves = {a: [asdict(w) for w in at.waves[a]] for a in ARMS}
+                        figures = {"cpu": at.cpu, "phases": at.phases, "steps": at.steps}
+                        records.append({"set": n, "config": name, "level": level, **figures, **waves})
+                        pooled[name, level].add(at)
+                        shown = "\n".join(
+                            table(level, at) + phase_table(level, at) + differences(level, at.cpu, ROLES)
+                        )
+                        print(shown, f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / results).write_text(json.dumps(records))
-    print(f"\nPooled over {SETS} sets, 95% intervals over the rounds ({load_note()}):")
-    print("\n".join([*HEAD, *(line for lv in ROUNDS for line in table(lv, pooled[lv]))]))
-    print("\nPhases in the engine's processes, ms a wave: the opted-out waves' mean, each arm's difference")
-    print("\n".join([*PHASE_HEAD, *(line for lv in ROUNDS for line in phase_table(lv, pooled[lv]))]))
-    print("\nCPU time by role, ms a wave: the opted-out waves' mean, and each arm's mean difference from it")
-    print("\n".join([*CPU_HEAD, *(line for lv in ROUNDS for line in differences(lv, pooled[lv].cpu, ROLES))]))
+    for name in configs:
+        of = {lv: pooled[name, lv] for lv in levels}
+        print(f"\nPooled over {sets} sets{f' of {name}' if name else ''}, 95% intervals over the rounds")
+        print(f"({load_note()}):")
+        print("\n".join([*HEAD, *(line for lv in levels for line in table(lv, of[lv]))]))
+        print("\nPhases in the engine's processes, ms a wave: the opted-out waves' mean, each arm's change")
+        print("\n".join([*PHASE_HEAD, *(line for lv in levels for line in phase_table(lv, of[lv]))]))
+        print("\nCPU time by role, ms a wave: the opted-out waves' mean, each arm's mean difference from it")
+        print("\n".join([*CPU_HEAD, *(line for lv in levels for line in differences(lv, of[lv].cpu, ROLES))]))

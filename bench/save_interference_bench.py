@@ -18,12 +18,17 @@
    - thread: ChunkIO.save_cpu on a kvpool save thread (side_thread), as the worker runs it;
    - thread, one hash a chunk: the chunk gathered into a private buffer first, then hashed in one
      call and copied out in one: ten times fewer GIL hand-overs, one more copy (tried, not kept);
-   - process: save_cpu in another process, which shares no GIL with the forward, only the machine.
+   - process: save_cpu in another process, which shares no GIL with the forward, only the machine;
+   - kvpool worker, save thread / save process: the whole of kvpool's save, through a real sidecar
+     (reserve, copy, commit), as vLLM's thread drives it: begin_step before each forward step, a
+     step's three chunks to finish_step every WORKER_PERIOD seconds; `save_process` false (the
+     chunks saved on the worker's save thread) and true (in the worker's save process, which reads
+     the blocks out of this process's memory; the save thread only passes messages).
    Per arm: the median over rounds of its step time over none's in the same round, with a 95%
    bootstrap interval, and the forward time lost per chunk saved. Twice: with the other core idle,
    and with one busy process on it (under load it is busy: vLLM's scheduler and API server, the
    sidecar).
-Run: `.venv/bin/python -m bench save_interference` (about 6 minutes; needs 2 cores).
+Run: `.venv/bin/python -m bench save_interference` (about 9 minutes; needs 2 cores).
 """
 
 from __future__ import annotations
@@ -35,18 +40,23 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.sharedctypes import Synchronized
+from pathlib import Path
 
 import torch
 
 from bench.stats import bootstrap, load_note
 from kvpool_connector.affinity import one_openmp_thread, side_thread
 from kvpool_connector.chunk_io import ChunkIO
-from kvpool_connector.common import ChunkOp
+from kvpool_connector.common import ChunkOp, SaveSpec, StepPlan
+from kvpool_connector.config import KVPoolConfig
 from kvpool_connector.paged import PagedLayer, host_bytes
+from kvpool_connector.worker import KVPoolWorker
+from kvpool_demo.localrun import sidecar
 from kvpool_demo.tinymodel import BENCH
 from kvpool_sidecar.wire import checksum
 
@@ -56,6 +66,9 @@ NUM_BLOCKS = 48
 PERIOD = 0.01  # seconds between a round's three saves and the next three
 SLICE = 0.5  # seconds an arm runs before the next takes over
 ROUNDS = 60
+# seconds between a step's three chunks and the next step's for kvpool's worker: the whole save
+# (round trips to the sidecar too) costs it about three times save_cpu alone
+WORKER_PERIOD = 0.03
 FORWARD_CORE = 0
 BLOCK_IDS = [[3, 4, 5, 6], [9, 10, 11, 12], [20, 21, 40, 41]]  # runs, and scattered blocks
 
@@ -167,18 +180,48 @@ def _busy_other_core(busy: bool) -> Iterator[None]:
             hog.wait()
 
 
-def gil(busy: bool) -> dict[str, tuple[list[float], float]]:
+class WorkerSaves:
+    """kvpool's worker over the Saves' layers, its steps driven from the forward's thread as vLLM's."""
+
+    def __init__(self, saves: Saves, url: str, save_process: bool) -> None:
+        cfg = KVPoolConfig(sidecar_url=url, chunk_size=CHUNK_BLOCKS * BLOCK, save_process=save_process)
+        self.worker = KVPoolWorker(cfg, rank=0)
+        self.worker.register_kv_caches([(f"layer{i}", lay.cache) for i, lay in enumerate(saves.io.layers)])
+        assert (self.worker._save_process is not None) == save_process, "no save process here"
+        self.step = 0
+        self.due = 0.0
+
+    def begin(self) -> None:
+        self.step += 1
+        self.worker.begin_step(StepPlan(step=self.step))
+
+    def end(self) -> None:
+        if time.perf_counter() < self.due:
+            return
+        self.due = time.perf_counter() + WORKER_PERIOD
+        chunks = [ChunkOp(os.urandom(16), CHUNK_BLOCKS, ids) for ids in BLOCK_IDS]  # never stored before
+        self.worker.finish_step(StepPlan(saves=[SaveSpec("bench", 0, chunks)], step=self.step))
+
+    def saved(self) -> int:
+        """Chunks saved since the last call, once the queued ones have finished."""
+        self.worker.saver.drain(30)
+        return int((self.worker.take_stats() or {}).get("saved_chunks", 0))
+
+
+def gil(busy: bool, url: str) -> dict[str, tuple[list[float], float]]:
     """Per arm: its step time over none's, round by round, and the forward time lost per chunk saved
     (ms, from the medians)."""
     torch.set_num_threads(1)  # one compute thread, as the engines here
     os.sched_setaffinity(0, {FORWARD_CORE})  # as vLLM binds its thread; the save thread moves off
     saves, forward = Saves(), Forward()
-    arms: dict[str, Save | str | None] = {
+    arms: dict[str, Save | str | WorkerSaves | None] = {
         "none": None,
         "none again": None,
         "thread": saves.save_cpu,
         "thread, one hash a chunk": saves.one_hash,
         "process": "process",
+        "kvpool worker, save thread": WorkerSaves(saves, url, save_process=False),
+        "kvpool worker, save process": WorkerSaves(saves, url, save_process=True),
     }
     current: dict[str, object] = {"save": None, "stop": False}
     counted = [0]
@@ -206,20 +249,31 @@ def gil(busy: bool) -> dict[str, tuple[list[float], float]]:
             for rnd in range(ROUNDS):
                 random.Random(rnd).shuffle(names)
                 for name in names:
-                    current["save"], flag.value = arms[name], int(arms[name] == "process")
+                    arm = arms[name]
+                    current["save"], flag.value = arm, int(arm == "process")
+                    worker = arm if isinstance(arm, WorkerSaves) else None
                     forward.step()
                     before = counted[0] + done.value
                     t0, n = time.perf_counter(), 0
                     while time.perf_counter() - t0 < SLICE:
+                        if worker is not None:
+                            worker.begin()
                         forward.step()
+                        if worker is not None:
+                            worker.end()
                         n += 1
                     step_ms[name].append((time.perf_counter() - t0) / n * 1e3)
                     chunks[name] += counted[0] + done.value - before
+                    if worker is not None:  # its last saves finish before the next arm's slice
+                        chunks[name] += worker.saved()
                     steps[name] += n
     finally:
         current["stop"], flag.value = True, -1
         thread.join()
         child.join(timeout=10)
+        for arm in arms.values():
+            if isinstance(arm, WorkerSaves):
+                arm.worker.shutdown()
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     out: dict[str, tuple[list[float], float]] = {}
     base = step_ms["none"]
@@ -243,13 +297,22 @@ def main() -> None:
         f"\n2. the forward pinned to core {FORWARD_CORE}; three 4 MiB chunks saved every "
         f"{PERIOD * 1e3:.0f} ms; {ROUNDS} rounds of {SLICE} s slices, arms in a fresh order each round"
     )
-    for busy in (False, True):
-        print(f"\nthe other core {'busy (one spinning process)' if busy else 'idle'}:")
-        print("| arm | forward step / none's, median (95% interval) | forward lost per chunk saved |")
-        print("| --- | --- | --- |")
-        for name, (ratios, lost) in gil(busy).items():
-            if name == "none":
-                continue
-            low, high = bootstrap(ratios, statistics.median)
-            per_chunk = "-" if name == "none again" else f"{lost:.2f} ms"
-            print(f"| {name} | {statistics.median(ratios):.3f} ({low:.3f}-{high:.3f}) | {per_chunk} |")
+    print(f"   (kvpool's worker: three chunks every {WORKER_PERIOD * 1e3:.0f} ms, a real sidecar)")
+    with (
+        tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
+        sidecar(Path(d) / "sidecar", "2Gi") as url,  # started before the forward's pinning: both cores
+    ):
+        for busy in (False, True):
+            print(f"\nthe other core {'busy (one spinning process)' if busy else 'idle'}:")
+            table(gil(busy, url))
+
+
+def table(arms: dict[str, tuple[list[float], float]]) -> None:
+    print("| arm | forward step / none's, median (95% interval) | forward lost per chunk saved |")
+    print("| --- | --- | --- |")
+    for name, (ratios, lost) in arms.items():
+        if name == "none":
+            continue
+        low, high = bootstrap(ratios, statistics.median)
+        per_chunk = "-" if name == "none again" else f"{lost:.2f} ms"
+        print(f"| {name} | {statistics.median(ratios):.3f} ({low:.3f}-{high:.3f}) | {per_chunk} |")

@@ -15,12 +15,13 @@ import psutil
 
 WORKER_OTHERS = "the worker's threads beside the forward (kvpool's save thread)"
 SAVE_THREAD = "of them, kvpool's save thread"
+SAVE_PROCESS = "kvpool's save process (a child of the worker)"
 SIDECAR = "sidecar"
 API_SERVER = "API server"
 # Not CPU time: how long the forward's thread was ready to run but waited for a CPU (another thread
 # held its core), schedstat's second field.
 FORWARD_WAITED = "the forward's thread, waiting for a CPU (run queue)"
-ROLES = (WORKER_OTHERS, SAVE_THREAD, SIDECAR, API_SERVER, FORWARD_WAITED)
+ROLES = (WORKER_OTHERS, SAVE_THREAD, SAVE_PROCESS, SIDECAR, API_SERVER, FORWARD_WAITED)
 
 
 # schedstat's fields: nanoseconds a thread has run, and has waited on a run queue
@@ -61,6 +62,7 @@ class ServerProcesses:
     api_server: int
     worker: int
     sidecar: int | None
+    save_process: int | None  # the connector's, where it runs the saves (save_process.py)
 
     @classmethod
     def find(cls) -> ServerProcesses:
@@ -70,13 +72,15 @@ class ServerProcesses:
         sidecars = [p.pid for p in children if "kvpool_sidecar" in " ".join(p.cmdline())]
         (core,) = [p for p in api.children() if p.children()]  # the resource tracker has none
         (worker,) = [p for p in core.children() if "spawn_main" in " ".join(p.cmdline())]
-        return cls(api.pid, worker.pid, sidecars[0] if sidecars else None)
+        saves = [p.pid for p in worker.children() if "kvpool_connector.save_process" in " ".join(p.cmdline())]
+        return cls(api.pid, worker.pid, sidecars[0] if sidecars else None, saves[0] if saves else None)
 
     def sample(self) -> dict[str, int]:
         """Nanoseconds so far, by role."""
         return {
             WORKER_OTHERS: _process_ns(self.worker) - _schedstat_ns(self.worker, self.worker),
             SAVE_THREAD: _process_ns(self.worker, named="kvpool-save"),
+            SAVE_PROCESS: _process_ns(self.save_process) if self.save_process is not None else 0,
             SIDECAR: _process_ns(self.sidecar) if self.sidecar is not None else 0,
             API_SERVER: _process_ns(self.api_server),
             FORWARD_WAITED: _schedstat_ns(self.worker, self.worker, WAITED),
