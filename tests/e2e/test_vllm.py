@@ -77,6 +77,18 @@ def test_both_stock_pods_got_the_sidecar_the_connector_and_the_config(vllm_workl
         assert all(s["restartCount"] == 0 for s in container_statuses(pod)), container_statuses(pod)
 
 
+def test_the_saves_run_in_their_own_process_under_the_pods_seccomp_profile(vllm_workload: str) -> None:
+    """A CPU worker's saves read vLLM's blocks from a child process (process_vm_readv), which ptrace's
+    rules and the runtime's default seccomp profile must allow in a pod: the worker says which process
+    saves, or why it saves on its own thread."""
+    for pod in vllm_pods():
+        assert pod["spec"]["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        log = kubectl("-n", NAMESPACE, "logs", pod["metadata"]["name"], "-c", "vllm")
+        assert "saves in process" in log and "no save process" not in log, [
+            line for line in log.splitlines() if "kvpool" in line
+        ]
+
+
 def test_sidecar_readyz_and_stats_through_port_forward(vllm_workload: str) -> None:
     for pod in vllm_pods():
         with port_forward(pod["metadata"]["name"], STATUS_PORT) as url:
