@@ -4,10 +4,10 @@ On a CPU engine the forward runs Python between its kernels, and the save thread
 hand the GIL back and forth some 80 times a chunk: that cost the forward 2-3% where saves from another
 process cost nothing (BENCHMARKS.md, "Where the save thread's CPU goes"). So the worker starts a child
 that reads the blocks straight out of the worker's memory (process_vm_readv: one call a chunk, the
-GIL's owner never involved), hashes its private copy and writes it into the arena, with a sidecar
-client of its own. The worker's save thread keeps the queue and the fence (saver.py): per step it
-sends the plan and answers two messages, when the child may start reading blocks and when it has
-read them all.
+GIL's owner never involved; /proc/<pid>/mem where a seccomp profile refuses that call), hashes its
+private copy and writes it into the arena, with a sidecar client of its own. The worker's save
+thread keeps the queue and the fence (saver.py): per step it sends the plan and answers two messages,
+when the child may start reading blocks and when it has read them all.
 
 Reading another process's memory needs ptrace's permission: same user, and where Yama restricts
 ptrace (ptrace_scope 1) the worker names the child its tracer. Where the kernel or a seccomp profile
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import socket
 import subprocess
@@ -34,6 +35,8 @@ from .counters import Counts
 from .logs import connector_logger
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .paged import PagedLayer
 
 log = connector_logger(__name__)
@@ -93,11 +96,13 @@ class SaveProcess:
         with contextlib.suppress(OSError, AttributeError):  # no Yama (EINVAL): same-user ptrace suffices
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PTRACER, self._proc.pid, 0, 0, 0)
         self.pid = self._proc.pid
+        self.reader = ""  # how it reads the worker's memory (READERS' names)
         try:  # once, as the engine starts: its first saves need not wait for the child's
             self._send(setup)
-            answer = self._recv()
-            if answer != "ready":
-                raise SaveProcessGone(str(answer))
+            answer = str(self._recv())
+            if not answer.startswith("ready: "):
+                raise SaveProcessGone(answer)
+            self.reader = answer.removeprefix("ready: ")
         except SaveProcessGone:
             self.close()
             raise
@@ -173,19 +178,52 @@ _libc.process_vm_readv.argtypes = [
 ]
 
 
-def read_remote(pid: int, into: int, pieces: list[tuple[int, int]]) -> None:
-    """Reads `pieces` (address, length) of process `pid`'s memory, one after another, to address
-    `into` of ours. OSError when the kernel refuses or a piece is not mapped there."""
-    for start in range(0, len(pieces), IOV_MAX):
-        batch = pieces[start : start + IOV_MAX]
-        length = sum(n for _, n in batch)
-        remote = (_IOVec * len(batch))(*(_IOVec(address, n) for address, n in batch))
-        local = _IOVec(into, length)
-        got = _libc.process_vm_readv(pid, ctypes.byref(local), 1, remote, len(batch), 0)
-        if got != length:
-            err = ctypes.get_errno() if got < 0 else 0
-            raise OSError(err, f"process_vm_readv read {got} of {length} bytes: {os.strerror(err)}")
-        into += length
+class VMReader:
+    """process_vm_readv(2): a chunk's pieces of the worker's memory in one call, straight into ours."""
+
+    name = "process_vm_readv"
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def read(self, into: np.ndarray, pieces: list[tuple[int, int]]) -> None:
+        """Reads `pieces` (address, length), one after another, into `into` (uint8, contiguous, their
+        size). OSError when the kernel refuses or a piece is not mapped there."""
+        at = into.ctypes.data
+        for start in range(0, len(pieces), IOV_MAX):
+            batch = pieces[start : start + IOV_MAX]
+            length = sum(n for _, n in batch)
+            remote = (_IOVec * len(batch))(*(_IOVec(address, n) for address, n in batch))
+            local = _IOVec(at, length)
+            got = _libc.process_vm_readv(self.pid, ctypes.byref(local), 1, remote, len(batch), 0)
+            if got != length:
+                err = ctypes.get_errno() if got < 0 else errno.EIO
+                raise OSError(err, f"process_vm_readv read {got} of {length} bytes: {os.strerror(err)}")
+            at += length
+
+
+class ProcMemReader:
+    """The worker's /proc/<pid>/mem, a pread a piece: the same permission as process_vm_readv, but
+    read(2)'s syscall, which a runtime's default seccomp profile allows where it refuses
+    process_vm_readv (containerd's RuntimeDefault allows it only with CAP_SYS_PTRACE). The kernel
+    copies each page twice on this path."""
+
+    name = "/proc/<pid>/mem"
+
+    def __init__(self, pid: int) -> None:
+        self.fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+
+    def read(self, into: np.ndarray, pieces: list[tuple[int, int]]) -> None:
+        view, pos = memoryview(into), 0  # type: ignore[arg-type]  # an ndarray is a buffer
+        for address, n in pieces:
+            got = os.preadv(self.fd, [view[pos : pos + n]], address)
+            if got != n:
+                raise OSError(errno.EIO, f"read {got} of {n} bytes at {address:#x} from /proc/<pid>/mem")
+            pos += n
+
+
+Reader = VMReader | ProcMemReader
+READERS: tuple[type[VMReader] | type[ProcMemReader], ...] = (VMReader, ProcMemReader)  # fastest first
 
 
 def chunk_pieces(
@@ -225,21 +263,28 @@ class _Child:
         self.saves = ChunkSaves(self.client, setup.rank, self._chunk_bytes, self.stats, RateLimitedLog(log))
         self._buffer = np.empty(0, dtype=np.uint8)  # private: what is hashed is what no one else writes
         self._copying = False
+        self.reader: Reader | None = None  # check() picks it
 
     def _chunk_bytes(self, op: Any) -> int:
         return op.chunk_blocks * sum(self.setup.layers[i].page_bytes for i in self.setup.groups[op.group])
 
     def check(self) -> str:
-        """ "ready" once a block can be read from the worker, else why not."""
+        """ "ready: <how>" once a block can be read from the worker, else why not."""
         if not self.setup.layers:
             return "no layers"
         lay = self.setup.layers[0]
         probe = self._np.empty(lay.page_bytes, dtype=self._np.uint8)
-        try:
-            read_remote(self.setup.pid, probe.ctypes.data, [(lay.address, lay.page_bytes)])
-        except OSError as e:
-            return f"cannot read the worker's KV cache: {e}"
-        return "ready"
+        refused = []
+        for kind in READERS:
+            try:
+                reader = kind(self.setup.pid)
+                reader.read(probe, [(lay.address, lay.page_bytes)])
+            except OSError as e:
+                refused.append(f"{kind.name}: {e}")
+                continue
+            self.reader = reader
+            return f"ready: {kind.name}"
+        return f"cannot read the worker's KV cache ({'; '.join(refused)})"
 
     def _start_copy(self) -> bool:
         self.conn.send("copy?")
@@ -257,6 +302,8 @@ class _Child:
         it reads no block any more."""
         from kvpool_sidecar.wire import checksum
 
+        reader = self.reader
+        assert reader is not None, "the child serves once check() found a reader"
         written = []
         for n, (s, slot) in enumerate(reserved):
             if self._buffer.nbytes < slot.length:
@@ -265,7 +312,7 @@ class _Child:
             pieces = chunk_pieces(self.setup.layers, self.setup.groups[s.op.group], s.op.block_ids)
             if sum(n for _, n in pieces) != slot.length:  # never read past the buffer
                 raise ValueError(f"{len(s.op.block_ids)} blocks for a {s.op.chunk_blocks}-block chunk")
-            read_remote(self.setup.pid, mine.ctypes.data, pieces)
+            reader.read(mine, pieces)
             if n == len(reserved) - 1:
                 self._end_copy()
             self.mapping.slot_array(slot.epoch, slot.offset, slot.length)[:] = mine
@@ -311,7 +358,7 @@ def main(fd: int) -> None:
     child = _Child(conn, setup)
     ready = child.check()
     conn.send(ready)
-    if ready == "ready":
+    if child.reader is not None:
         child.serve()
 
 

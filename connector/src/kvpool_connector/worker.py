@@ -135,7 +135,7 @@ class KVPoolWorker:
             f" ({self.copy_threads} copy threads)" if self.copy_threads else "",
             self.rank,
             "" if self.saves else " (loads only: another TP rank saves the same KV)",
-            f", saves in process {self._save_process.pid}" if self._save_process else "",
+            f", saves in process {sp.pid} ({sp.reader})" if (sp := self._save_process) else "",
         )
 
     def _start_save_process(self, layers: list[PagedLayer]) -> None:
