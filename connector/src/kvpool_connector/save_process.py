@@ -305,7 +305,7 @@ class _Child:
         reader = self.reader
         assert reader is not None, "the child serves once check() found a reader"
         written = []
-        for n, (s, slot) in enumerate(reserved):
+        for i, (s, slot) in enumerate(reserved):
             if self._buffer.nbytes < slot.length:
                 self._buffer = self._np.empty(slot.length, dtype=self._np.uint8)
             mine = self._buffer[: slot.length]
@@ -313,7 +313,7 @@ class _Child:
             if sum(n for _, n in pieces) != slot.length:  # never read past the buffer
                 raise ValueError(f"{len(s.op.block_ids)} blocks for a {s.op.chunk_blocks}-block chunk")
             reader.read(mine, pieces)
-            if n == len(reserved) - 1:
+            if i == len(reserved) - 1:
                 self._end_copy()
             self.mapping.slot_array(slot.epoch, slot.offset, slot.length)[:] = mine
             written.append((slot, checksum(mine)))

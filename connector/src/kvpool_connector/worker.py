@@ -195,8 +195,9 @@ class KVPoolWorker:
     def _planned(self, meta: StepPlan) -> list[ChunkSave]:
         if self._saves_refused or not self.saves:
             return []
-        key = lambda op: rank_key(op.link, self.rank)  # noqa: E731
-        saves = [ChunkSave(op, key(op), s.priority) for s in meta.saves for op in s.chunks]
+        saves = [
+            ChunkSave(op, rank_key(op.link, self.rank), s.priority) for s in meta.saves for op in s.chunks
+        ]
         if saves and meta.step == self._unsaved_step:
             self.stats.add("save_skipped_chunks", len(saves))
             return []
@@ -339,18 +340,14 @@ class KVPoolWorker:
                 outcome, counts = self._save_process.save(job.saves, start_copy, end_copy)
             except SaveProcessGone as e:
                 self.stats.add("save_skipped_chunks", len(job.saves))
-                self._no_save_process(f"the save process is gone ({e}); saves run on the worker's thread")
+                log.warning("kvpool: the save process is gone (%s); saves run on the worker's thread", e)
+                self._save_process.close()
+                self._save_process = None
                 return SaveOutcome()
             for name, value in counts.items():
                 self.stats.add(name, value)
             return outcome
         return self._chunk_saves.save(job.saves, self._write_all, start_copy, end_copy)
-
-    def _no_save_process(self, why: str) -> None:
-        log.warning("kvpool: %s", why)
-        if self._save_process is not None:
-            self._save_process.close()
-            self._save_process = None
 
     def _write_all(self, reserved: list[tuple[ChunkSave, Slot]]) -> list[tuple[Slot, int]]:
         """Writes the reserved chunks: on CUDA several at once on the copy threads (each hashes and
