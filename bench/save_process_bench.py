@@ -6,7 +6,7 @@ false, SETS of each, their order alternating. On a CPU engine the forward runs P
 kernels, and the save thread's copies and hashes take turns at its GIL; the save process reads the
 blocks out of the worker's memory instead. What to compare: each config's on / opted out (TTFT, out
 tok/s, the forward steps beside the saves) and its CPU by role.
-Run: `.venv/bin/python -m bench save_process` (about 20 minutes on the 2-core VM of 2026-12-02);
+Run: `.venv/bin/python -m bench save_process` (42 minutes on the 2-core VM of 2026-12-02);
 writes bench/results/save-process.json.
 """
 
