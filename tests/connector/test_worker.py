@@ -3,12 +3,14 @@ another one, bit-exact; a chunk the sidecar cannot serve becomes load errors, ne
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from workerkit import Layers, chunk_ops, make_layers, run_loads, save
 
@@ -382,6 +384,41 @@ def test_a_cpu_workers_saves_run_in_a_process_of_their_own_that_reads_its_blocks
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
         for sb, db in [(3, 0), (7, 2), (1, 4), (12, 8)]:
             assert torch.equal(s[sb], d[db])
+
+
+def _past_a_page_boundary(layers: Layers) -> Layers:
+    """The same layers, each one 100 bytes past a page boundary in memory of its own: its first and
+    last blocks lie partly in pages it shares with nothing, which stay out of the shared mapping."""
+    out = []
+    for name, t in layers:
+        memory = np.frombuffer(mmap.mmap(-1, t.nbytes + 2 * mmap.PAGESIZE), dtype=np.uint8)
+        moved = torch.from_numpy(memory[100 : 100 + t.nbytes]).view(t.dtype).view(t.shape)
+        out.append((name, moved.copy_(t)))
+    return out
+
+
+def test_the_save_process_copies_blocks_where_they_lie_and_reads_those_in_partial_pages(
+    sidecar_factory,
+) -> None:
+    """The worker moves each KV cache allocation's whole pages onto a memfd that the save process maps
+    (shared_kv.py), keeping every byte; the child copies and hashes those blocks in place and reads
+    the others (an allocation's first and last partial pages) out of the worker. One step saving
+    blocks of both kinds lands bit-exact, and so do the loads into a cache moved while all zeros."""
+    proc = sidecar_factory("16Mi")
+    cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
+    src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
+    src_layers, dst_layers = _past_a_page_boundary(make_layers(13)), make_layers(None)
+    before = [t.clone() for _, t in src_layers]
+    src.register_kv_caches(src_layers)
+    dst.register_kv_caches(dst_layers)
+    assert all(torch.equal(t, b) for (_, t), b in zip(src_layers, before, strict=True))
+    assert src._save_process is not None and src._save_process.reader.startswith("a shared mapping")
+    saves = chunk_ops([[0, 1], [7, 8], [14, 15]])  # the first and last blocks straddle a partial page
+    save(src, StepPlan(saves=[SaveSpec("a", 0, saves)], step=1))
+    assert (src.take_stats() or {})["saved_chunks"] == 3
+    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", saves)])) == set()
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        assert torch.equal(s[[0, 1, 7, 8, 14, 15]], d[[0, 1, 7, 8, 14, 15]])
 
 
 def test_a_killed_save_process_costs_one_steps_saves_then_the_worker_saves_on_its_own_thread(

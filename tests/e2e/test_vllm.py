@@ -78,13 +78,15 @@ def test_both_stock_pods_got_the_sidecar_the_connector_and_the_config(vllm_workl
 
 
 def test_the_saves_run_in_their_own_process_under_the_pods_seccomp_profile(vllm_workload: str) -> None:
-    """A CPU worker's saves read vLLM's blocks from a child process (process_vm_readv), which ptrace's
-    rules and the runtime's default seccomp profile must allow in a pod: the worker says which process
-    saves, or why it saves on its own thread."""
+    """A CPU worker's saves copy vLLM's blocks from a child process, through a shared mapping of the KV
+    cache (memfd_create and mmap) and, for its partial pages, ptrace's permission (process_vm_readv or
+    /proc/<pid>/mem), which the runtime's default seccomp profile must allow in a pod: the worker says
+    which process saves and how it reads, or why it saves on its own thread."""
     for pod in vllm_pods():
         assert pod["spec"]["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
         log = kubectl("-n", NAMESPACE, "logs", pod["metadata"]["name"], "-c", "vllm")
-        assert "saves in process" in log and "no save process" not in log, [
+        saves_in_process = "saves in process" in log and "no save process" not in log
+        assert saves_in_process and "(a shared mapping, else " in log and "not shared" not in log, [
             line for line in log.splitlines() if "kvpool" in line
         ]
 

@@ -3,11 +3,14 @@
 On a CPU engine the forward runs Python between its kernels, and the save thread's copies and hashes
 hand the GIL back and forth some 80 times a chunk: that cost the forward 2-3% where saves from another
 process cost nothing (BENCHMARKS.md, "Where the save thread's CPU goes"). So the worker starts a child
-that reads the blocks straight out of the worker's memory (process_vm_readv: one call a chunk, the
-GIL's owner never involved; /proc/<pid>/mem where a seccomp profile refuses that call), hashes its
-private copy and writes it into the arena, with a sidecar client of its own. The worker's save
-thread keeps the queue and the fence (saver.py): per step it sends the plan and answers two messages,
-when the child may start reading blocks and when it has read them all.
+that copies the blocks into the arena and hashes them where they lie, through its own mapping of the
+worker's KV cache (shared_kv.py), with a sidecar client of its own. Where a block is not in that
+mapping (an allocation's partial pages, or the worker could not share its cache) the child reads it
+out of the worker's memory into a private copy, hashes that and writes it into the arena
+(process_vm_readv: one call a chunk, the GIL's owner never involved; /proc/<pid>/mem where a seccomp
+profile refuses that call). The worker's save thread keeps the queue and the fence (saver.py): per
+step it sends the plan and answers two messages, when the child may start reading blocks and when it
+has read them all.
 
 Reading another process's memory needs ptrace's permission: same user, and where Yama restricts
 ptrace (ptrace_scope 1) the worker names the child its tracer. Where the kernel or a seccomp profile
@@ -24,7 +27,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -33,6 +36,7 @@ from .chunk_saves import ChunkSave, SaveOutcome
 from .config import KVPoolConfig
 from .counters import Counts
 from .logs import connector_logger
+from .shared_kv import SharedKV, SharedRegion
 
 if TYPE_CHECKING:
     import numpy as np
@@ -72,6 +76,7 @@ class Setup:
     pid: int  # the worker's
     layers: list[RemoteLayer]
     groups: list[list[int]]
+    regions: tuple[SharedRegion, ...] = ()  # the child maps them: its blocks are read there
 
 
 class SaveProcessGone(Exception):
@@ -87,7 +92,7 @@ class SaveProcess:
         with mine, theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "kvpool_connector.save_process", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(), *(r.fd for r in setup.regions)),
                 stdin=subprocess.DEVNULL,
                 # where the worker found kvpool, however it was put on its path
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
@@ -261,6 +266,7 @@ class _Child:
         self.client = sidecar_client(setup.cfg)
         self.mapping = ArenaMapping(lambda: arena_path(setup.cfg, self.client))
         self.saves = ChunkSaves(self.client, setup.rank, self._chunk_bytes, self.stats, RateLimitedLog(log))
+        self.shared = SharedKV(setup.regions)
         self._buffer = np.empty(0, dtype=np.uint8)  # private: what is hashed is what no one else writes
         self._copying = False
         self.reader: Reader | None = None  # check() picks it
@@ -283,7 +289,7 @@ class _Child:
                 refused.append(f"{kind.name}: {e}")
                 continue
             self.reader = reader
-            return f"ready: {kind.name}"
+            return f"ready: {'a shared mapping, else ' if self.setup.regions else ''}{kind.name}"
         return f"cannot read the worker's KV cache ({'; '.join(refused)})"
 
     def _start_copy(self) -> bool:
@@ -297,25 +303,34 @@ class _Child:
             self.conn.send("copied")
 
     def _write_all(self, reserved: list[tuple[ChunkSave, Any]]) -> list[tuple[Any, int]]:
-        """Chunk by chunk: reads it into the private buffer (one chunk: a long prompt's step must not
-        double in memory here), hashes that copy and writes it into its slot; tells the worker once
-        it reads no block any more."""
-        from kvpool_sidecar.wire import checksum
+        """Chunk by chunk: copies its blocks into its slot and hashes them where they lie, in the shared
+        mapping (vLLM writes no block before the fence lets it, as for the save thread's copies), or
+        else reads them into the private buffer (one chunk: a long prompt's step must not double in
+        memory here), hashes that copy and writes it. Tells the worker once it reads no block any more."""
+        from kvpool_sidecar.wire import checksum, checksum_pieces
 
         reader = self.reader
         assert reader is not None, "the child serves once check() found a reader"
         written = []
         for i, (s, slot) in enumerate(reserved):
-            if self._buffer.nbytes < slot.length:
-                self._buffer = self._np.empty(slot.length, dtype=self._np.uint8)
-            mine = self._buffer[: slot.length]
             pieces = chunk_pieces(self.setup.layers, self.setup.groups[s.op.group], s.op.block_ids)
             if sum(n for _, n in pieces) != slot.length:  # never read past the buffer
                 raise ValueError(f"{len(s.op.block_ids)} blocks for a {s.op.chunk_blocks}-block chunk")
+            last = i == len(reserved) - 1
+            slot_bytes = self.mapping.slot_array(slot.epoch, slot.offset, slot.length)
+            sources = self.shared.views(pieces)
+            if sources is not None:
+                written.append((slot, checksum_pieces(copied_pieces(sources, slot_bytes))))
+                if last:
+                    self._end_copy()
+                continue
+            if self._buffer.nbytes < slot.length:
+                self._buffer = self._np.empty(slot.length, dtype=self._np.uint8)
+            mine = self._buffer[: slot.length]
             reader.read(mine, pieces)
-            if i == len(reserved) - 1:
+            if last:
                 self._end_copy()
-            self.mapping.slot_array(slot.epoch, slot.offset, slot.length)[:] = mine
+            slot_bytes[:] = mine
             written.append((slot, checksum(mine)))
         return written
 
@@ -338,6 +353,16 @@ class _Child:
                 self.conn.send((outcome, self.stats.take() or {}))
             except OSError:  # the worker died meanwhile
                 return
+
+
+def copied_pieces(sources: list[np.ndarray], into: np.ndarray) -> Iterator[np.ndarray]:
+    """Copies `sources` one after another into `into`, yielding each once it is copied: hashed next,
+    it is read from the cache."""
+    at = 0
+    for piece in sources:
+        into[at : at + piece.nbytes] = piece
+        yield piece
+        at += piece.nbytes
 
 
 def main(fd: int) -> None:

@@ -52,6 +52,7 @@ from .paged import PagedLayer
 from .ratelimit import RateLimitedLog
 from .save_process import RemoteLayer, SaveProcess, SaveProcessGone, Setup
 from .saver import SaveJob, SaveQueue
+from .shared_kv import SharedRegion, share
 
 log = connector_logger(__name__)
 
@@ -140,7 +141,8 @@ class KVPoolWorker:
 
     def _start_save_process(self, layers: list[PagedLayer]) -> None:
         """CPU: starts the process the saves run in (save_process.py), where the config allows and every
-        layer's blocks are byte rows; it reads vLLM's blocks where they are."""
+        layer's blocks are byte rows; it reads vLLM's blocks where they are, through a shared mapping
+        of the KV cache where the worker can move it onto one (shared_kv.py)."""
         if self._save_process is not None:  # the engine's KV cache was allocated again
             self._save_process.close()
             self._save_process = None
@@ -150,10 +152,15 @@ class KVPoolWorker:
         if not layers or not all(layer.dense for layer in layers):
             return
         remote = [RemoteLayer.of(layer) for layer in layers]
+        regions = _shared_regions(layers)
         try:
-            self._save_process = SaveProcess(Setup(cfg, self.rank, os.getpid(), remote, self.io.groups))
+            setup = Setup(cfg, self.rank, os.getpid(), remote, self.io.groups, regions)
+            self._save_process = SaveProcess(setup)
         except (OSError, SaveProcessGone) as e:  # it cannot read the worker's memory, or never started
             log.warning("kvpool: saves run on the worker's own thread: no save process (%s)", e)
+        finally:
+            for r in regions:  # the child has its own copy of each; the mappings stay
+                os.close(r.fd)
 
     def _check_chunk_size(self, size: int) -> None:
         """Turns saving off at start, with one clear error, when the sidecar refuses chunks this big
@@ -391,3 +398,20 @@ class KVPoolWorker:
             self._pool.shutdown(wait=True)
         self._mapping.close()
         self.client.close()
+
+
+def _shared_regions(layers: list[PagedLayer]) -> tuple[SharedRegion, ...]:
+    """The KV cache's allocations moved onto memfds for the save process (shared_kv.py); none where
+    the kernel refuses (a seccomp profile without memfd_create): it reads them out of this process."""
+    storages = {(st := lay.cache.untyped_storage()).data_ptr(): st.nbytes() for lay in layers}
+    regions: list[SharedRegion] = []
+    try:
+        for address, length in storages.items():
+            if (region := share(address, length)) is not None:
+                regions.append(region)
+    except OSError as e:
+        log.warning("kvpool: the save process reads the KV cache out of this process, not shared (%s)", e)
+        for r in regions:
+            os.close(r.fd)
+        return ()
+    return tuple(regions)
