@@ -1,9 +1,11 @@
 """The worker's KV cache moved onto a memfd that the save process maps (shared_kv.py): vLLM's tensor
 keeps its bytes and its address, a window of zeros costs no copy, the save process's views see each
-later write, and a piece outside the whole pages is left to the reader."""
+later write, a piece outside the whole pages is left to the reader, and a cache on transparent huge
+pages is not moved onto the memfd's small ones."""
 
 from __future__ import annotations
 
+import mmap
 import os
 
 import pytest
@@ -48,3 +50,29 @@ def test_an_allocation_without_a_whole_page_is_not_shared() -> None:
     inside = backing[start + 1 : start + PAGE - 1]
     assert share(inside.data_ptr(), inside.nbytes) is None
     assert SharedKV(()).views([(inside.data_ptr(), 1)]) is None
+
+
+def _anonymous(huge: bool) -> torch.Tensor:
+    """8 MiB of anonymous memory with 2 MiB-aligned pages inside, transparent huge pages asked for or
+    refused (the node's THP mode must be "madvise" or "always", as on Debian's and RHEL's kernels)."""
+    mapping = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    inside = -whole.data_ptr() % (2 << 20)
+    mapping.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, inside, 4 << 20)
+    cache = whole[inside : inside + (4 << 20)]
+    cache.random_(0, 256, generator=torch.Generator().manual_seed(1))
+    return cache  # keeps the mapping
+
+
+def test_a_cache_on_huge_pages_stays_where_it_is_and_one_on_small_pages_moves() -> None:
+    huge, small = _anonymous(huge=True), _anonymous(huge=False)
+    assert shared_kv.on_huge_pages(huge.data_ptr(), huge.nbytes), "the kernel gave no transparent huge page"
+    before = huge.clone()
+    assert share(huge.data_ptr(), huge.nbytes) is None  # the save process reads it through the kernel
+    assert torch.equal(huge, before)
+    assert shared_kv.on_huge_pages(huge.data_ptr(), huge.nbytes)
+
+    assert not shared_kv.on_huge_pages(small.data_ptr(), small.nbytes)
+    region = share(small.data_ptr(), small.nbytes)
+    assert region is not None
+    os.close(region.fd)

@@ -10,6 +10,11 @@ already) and the memfd is mapped over them at the same addresses, so vLLM's tens
 the same memory. The save process maps the memfd read-only. An allocation's first and last partial
 pages stay where they are, read with process_vm_readv.
 
+An allocation that lies on transparent huge pages stays where it is: a memfd's pages are 4 KiB where
+the node's shmem_enabled is "never" (the kernel's default), and vLLM's CPU attention read a decode
+step's KV 3% slower from them (BENCHMARKS.md, "The KV cache's page size"), more than the save
+process's reads through process_vm_readv cost the forward on the other core.
+
 The pages stay on the memfd until the process exits, also after vLLM frees its cache: glibc and
 tcmalloc (vLLM's CPU images preload it) clear what calloc hands out of reused memory.
 """
@@ -56,14 +61,29 @@ def _words(address: int, length: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint64 * (length // 8)).from_address(address))
 
 
+def on_huge_pages(address: int, length: int) -> bool:
+    """Whether the mappings that hold [address, address + length) hold transparent huge pages
+    (/proc/self/smaps' AnonHugePages: per mapping, not per page)."""
+    end, inside = address + length, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                low, high = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+                inside = low < end and address < high
+            elif inside and line.startswith("AnonHugePages:") and int(line.split()[1]) > 0:
+                return True
+    return False
+
+
 def share(address: int, length: int) -> SharedRegion | None:
     """Moves the whole pages of the allocation [address, address + length) onto a memfd, its bytes
-    kept; None where it has no whole page. Only before the engine's first step: a write between a
-    window's copy and its mapping would be lost. OSError where the kernel refuses (the windows moved
-    before it keep their bytes; the caller closes nothing)."""
+    kept; None where it has no whole page or lies on huge pages (the module's docstring). Only before
+    the engine's first step: a write between a window's copy and its mapping would be lost. OSError
+    where the kernel refuses (the windows moved before it keep their bytes; the caller closes
+    nothing)."""
     start = -(-address // PAGE) * PAGE
     end = (address + length) // PAGE * PAGE
-    if end <= start:
+    if end <= start or on_huge_pages(start, end - start):
         return None
     fd = os.memfd_create("kvpool-kv-cache", os.MFD_CLOEXEC)
     try:
