@@ -64,7 +64,7 @@ def caches() -> dict[str, list[torch.Tensor]]:
         os.close(region.fd)
     for name, layers in out.items():
         huge = all(on_huge_pages(c.data_ptr(), c.nbytes) for c in layers)
-        assert huge == name.startswith("huge"), f"{name}: the kernel gave {'no ' if not huge else ''}huge pages"
+        assert huge == name.startswith("huge"), f"{name}: huge pages {'' if huge else 'not '}given"
     return out
 
 
