@@ -12,7 +12,7 @@ pages stay where they are, read with process_vm_readv.
 
 An allocation that lies on transparent huge pages stays where it is: a memfd's pages are 4 KiB where
 the node's shmem_enabled is "never" (the kernel's default), and vLLM's CPU attention read a decode
-step's KV 3% slower from them (BENCHMARKS.md, "The KV cache's page size"), more than the save
+step's KV 3.5-4% slower from them (BENCHMARKS.md, "The KV cache's page size"), more than the save
 process's reads through process_vm_readv cost the forward on the other core.
 
 The pages stay on the memfd until the process exits, also after vLLM frees its cache: glibc and
