@@ -61,29 +61,40 @@ def _words(address: int, length: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint64 * (length // 8)).from_address(address))
 
 
-def on_huge_pages(address: int, length: int) -> bool:
-    """Whether the mappings that hold [address, address + length) hold transparent huge pages
-    (/proc/self/smaps' AnonHugePages: per mapping, not per page)."""
-    end, inside = address + length, False
+def huge_page_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings that hold transparent huge pages
+    (/proc/self/smaps' AnonHugePages: per mapping, not per page). Read once for a whole cache: the
+    kernel walks every mapping's page tables to write smaps."""
+    out: list[tuple[int, int]] = []
+    mapping: tuple[int, int] | None = None
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
-            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
-                low, high = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
-                inside = low < end and address < high
-            elif inside and line.startswith("AnonHugePages:") and int(line.split()[1]) > 0:
-                return True
-    return False
+            head = line.split(" ", 1)[0]
+            if line[0] in "0123456789abcdef" and "-" in head:
+                low, high = head.split("-")
+                mapping = (int(low, 16), int(high, 16))
+            elif mapping and line.startswith("AnonHugePages:") and int(line.split()[1]) > 0:
+                out.append(mapping)
+    return out
 
 
-def share(address: int, length: int) -> SharedRegion | None:
+def on_huge_pages(address: int, length: int, mappings: list[tuple[int, int]] | None = None) -> bool:
+    """Whether [address, address + length) lies in a mapping of huge_page_mappings() (read now if
+    not given)."""
+    mappings = huge_page_mappings() if mappings is None else mappings
+    return any(low < address + length and address < high for low, high in mappings)
+
+
+def share(address: int, length: int, huge: list[tuple[int, int]] | None = None) -> SharedRegion | None:
     """Moves the whole pages of the allocation [address, address + length) onto a memfd, its bytes
-    kept; None where it has no whole page or lies on huge pages (the module's docstring). Only before
+    kept; None where it has no whole page or lies on huge pages (the module's docstring; `huge`:
+    huge_page_mappings(), read now if not given). Only before
     the engine's first step: a write between a window's copy and its mapping would be lost. OSError
     where the kernel refuses (the windows moved before it keep their bytes; the caller closes
     nothing)."""
     start = -(-address // PAGE) * PAGE
     end = (address + length) // PAGE * PAGE
-    if end <= start or on_huge_pages(start, end - start):
+    if end <= start or on_huge_pages(start, end - start, huge):
         return None
     fd = os.memfd_create("kvpool-kv-cache", os.MFD_CLOEXEC)
     try:

@@ -52,7 +52,7 @@ from .paged import PagedLayer
 from .ratelimit import RateLimitedLog
 from .save_process import RemoteLayer, SaveProcess, SaveProcessGone, Setup
 from .saver import SaveJob, SaveQueue
-from .shared_kv import SharedRegion, on_huge_pages, share
+from .shared_kv import SharedRegion, huge_page_mappings, on_huge_pages, share
 
 log = connector_logger(__name__)
 
@@ -405,24 +405,24 @@ def _shared_regions(layers: list[PagedLayer]) -> tuple[SharedRegion, ...]:
     the kernel refuses (a seccomp profile without memfd_create): it reads them out of this process."""
     storages = {(st := lay.cache.untyped_storage()).data_ptr(): st.nbytes() for lay in layers}
     regions: list[SharedRegion] = []
-    huge = 0
+    huge, kept = huge_page_mappings(), 0
     try:
         for address, length in storages.items():
-            if (region := share(address, length)) is not None:
+            if (region := share(address, length, huge)) is not None:
                 regions.append(region)
-            elif on_huge_pages(address, length):
-                huge += 1
+            elif on_huge_pages(address, length, huge):
+                kept += 1
     except OSError as e:
         log.warning("kvpool: the save process reads the KV cache out of this process, not shared (%s)", e)
         for r in regions:
             os.close(r.fd)
         return ()
-    if huge:
+    if kept:
         log.info(
             "kvpool: %d of the KV cache's %d allocations stay on their transparent huge pages, which a "
             "memfd's 4 KiB pages would slow vLLM's attention against; the save process reads them out "
             "of this process",
-            huge,
+            kept,
             len(storages),
         )
     return tuple(regions)
