@@ -5,11 +5,11 @@ pages is not moved onto the memfd's small ones."""
 
 from __future__ import annotations
 
-import mmap
 import os
 
 import pytest
 import torch
+from workerkit import in_anonymous_memory
 
 from kvpool_connector import shared_kv
 from kvpool_connector.shared_kv import PAGE, SharedKV, share
@@ -52,20 +52,9 @@ def test_an_allocation_without_a_whole_page_is_not_shared() -> None:
     assert SharedKV(()).views([(inside.data_ptr(), 1)]) is None
 
 
-def _anonymous(huge: bool) -> torch.Tensor:
-    """8 MiB of anonymous memory with 2 MiB-aligned pages inside, transparent huge pages asked for or
-    refused (the node's THP mode must be "madvise" or "always", as on Debian's and RHEL's kernels)."""
-    mapping = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    inside = -whole.data_ptr() % (2 << 20)
-    mapping.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, inside, 4 << 20)
-    cache = whole[inside : inside + (4 << 20)]
-    cache.random_(0, 256, generator=torch.Generator().manual_seed(1))
-    return cache  # keeps the mapping
-
-
 def test_a_cache_on_huge_pages_stays_where_it_is_and_one_on_small_pages_moves() -> None:
-    huge, small = _anonymous(huge=True), _anonymous(huge=False)
+    fill = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    huge, small = in_anonymous_memory(fill, huge=True), in_anonymous_memory(fill, huge=False)
     assert shared_kv.on_huge_pages(huge.data_ptr(), huge.nbytes), "the kernel gave no transparent huge page"
     before = huge.clone()
     assert share(huge.data_ptr(), huge.nbytes) is None  # the save process reads it through the kernel

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from workerkit import Layers, chunk_ops, make_layers, run_loads, save
+from workerkit import Layers, chunk_ops, in_anonymous_memory, make_layers, run_loads, save
 
 from kvpool_connector import save_process, saver
 from kvpool_connector.affinity import SAVE_NICENESS
@@ -423,20 +423,6 @@ def test_the_save_process_copies_blocks_where_they_lie_and_reads_those_in_partia
         assert torch.equal(s[[0, 1, 7, 8, 14, 15]], d[[0, 1, 7, 8, 14, 15]])
 
 
-def _on_huge_pages(layers: Layers) -> Layers:
-    """The same layers, each in private memory of its own on transparent huge pages (as torch puts
-    vLLM's cache under THP_MEM_ALLOC_ENABLE, or any memory where the node's THP mode is "always")."""
-    huge, out = 2 << 20, []
-    for name, t in layers:
-        size = -(-t.nbytes // huge) * huge
-        mapping = mmap.mmap(-1, size + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        memory = np.frombuffer(mapping, dtype=np.uint8)
-        at = -memory.ctypes.data % huge
-        mapping.madvise(mmap.MADV_HUGEPAGE, at, size)
-        out.append((name, torch.from_numpy(memory[at : at + t.nbytes]).view(t.dtype).view(t.shape).copy_(t)))
-    return out
-
-
 def test_a_cache_on_huge_pages_stays_on_them_and_the_save_process_reads_it_out_of_the_worker(
     sidecar_factory, caplog
 ) -> None:
@@ -446,7 +432,8 @@ def test_a_cache_on_huge_pages_stays_on_them_and_the_save_process_reads_it_out_o
     proc = sidecar_factory("16Mi")
     cfg = KVPoolConfig(sidecar_url=proc.info["url"], chunk_size=64)
     src, dst = KVPoolWorker(cfg, rank=0), KVPoolWorker(cfg, rank=0)
-    src_layers, dst_layers = _on_huge_pages(make_layers(17)), make_layers(None)
+    src_layers = [(name, in_anonymous_memory(t, huge=True)) for name, t in make_layers(17)]
+    dst_layers = make_layers(None)
     assert all(on_huge_pages(t.data_ptr(), t.nbytes) for _, t in src_layers), "the kernel gave no huge page"
     with caplog.at_level(logging.INFO, logger="vllm.kvpool_connector"):
         src.register_kv_caches(src_layers)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 from kvtest import wait_until
 
@@ -11,6 +13,19 @@ from kvpool_connector.worker import KVPoolWorker
 
 BLOCKS, HEADS, BS, HEAD = 16, 2, 32, 64
 Layers = list[tuple[str, torch.Tensor]]
+HUGE_PAGE = 2 << 20
+
+
+def in_anonymous_memory(t: torch.Tensor, huge: bool) -> torch.Tensor:
+    """A copy of `t` in private anonymous memory of its own, 2 MiB-aligned, with transparent huge
+    pages asked for (as torch puts vLLM's cache under THP_MEM_ALLOC_ENABLE, or any memory where the
+    node's THP mode is "always") or refused. The node's THP mode must be "madvise" or "always"."""
+    size = -(-t.nbytes // HUGE_PAGE) * HUGE_PAGE
+    mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping
+    at = -whole.data_ptr() % HUGE_PAGE
+    mapping.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE, at, size)
+    return whole[at : at + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
 
 
 def make_layers(seed: int | None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Layers:

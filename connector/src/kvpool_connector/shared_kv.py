@@ -88,10 +88,9 @@ def on_huge_pages(address: int, length: int, mappings: list[tuple[int, int]] | N
 def share(address: int, length: int, huge: list[tuple[int, int]] | None = None) -> SharedRegion | None:
     """Moves the whole pages of the allocation [address, address + length) onto a memfd, its bytes
     kept; None where it has no whole page or lies on huge pages (the module's docstring; `huge`:
-    huge_page_mappings(), read now if not given). Only before
-    the engine's first step: a write between a window's copy and its mapping would be lost. OSError
-    where the kernel refuses (the windows moved before it keep their bytes; the caller closes
-    nothing)."""
+    huge_page_mappings(), read now if not given). Only before the engine's first step: a write between
+    a window's copy and its mapping would be lost. OSError where the kernel refuses (the windows moved
+    before it keep their bytes; the caller closes nothing)."""
     start = -(-address // PAGE) * PAGE
     end = (address + length) // PAGE * PAGE
     if end <= start or on_huge_pages(start, end - start, huge):
