@@ -8,6 +8,7 @@ import mmap
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -462,6 +463,47 @@ def test_a_killed_save_process_costs_one_steps_saves_then_the_worker_saves_on_it
     assert (src.take_stats() or {})["save_skipped_chunks"] == 1
     assert "the save process is gone" in caplog.text and src._save_process is None
     save(src, StepPlan(saves=[SaveSpec("a", 0, [second])], step=2))
+    assert (src.take_stats() or {})["saved_chunks"] == 1
+    assert run_loads(dst, StepPlan(loads=[LoadSpec("b", [ChunkOp(second.link, 2, [5, 6])])])) == set()
+    for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):
+        assert torch.equal(s[2], d[5]) and torch.equal(s[3], d[6])
+
+
+def test_a_save_process_stopped_while_it_reads_the_blocks_is_killed_before_the_step_waits_long(
+    sidecar_factory, monkeypatch, caplog
+) -> None:
+    """A step that reuses blocks waits for the saves still reading them (the fence): it cannot drop a
+    read already under way. A child stopped mid-read held that step for ANSWER_SECONDS (30 s); after
+    COPY_SECONDS it is killed, its saves are skipped (a future miss) and the next run on the thread."""
+    monkeypatch.setattr(save_process, "COPY_SECONDS", 0.5)
+    proc = sidecar_factory("16Mi")
+    src, dst, src_layers, dst_layers = _two_workers(proc.info["url"], seed=12)
+    child = src._save_process
+    assert child is not None
+    reading, save_in_child = threading.Event(), child.save
+
+    def stopped_once_reading(saves: Any, start_copy: Callable[[], bool], end_copy: Callable[[], None]) -> Any:
+        def start() -> bool:
+            allowed = start_copy()
+            os.kill(child.pid, signal.SIGSTOP)  # told it may read vLLM's blocks, it reads no further
+            reading.set()
+            return allowed
+
+        return save_in_child(saves, start, end_copy)
+
+    monkeypatch.setattr(child, "save", stopped_once_reading)
+    first, second = chunk_ops([[0, 1], [2, 3]])
+    src.finish_step(StepPlan(saves=[SaveSpec("a", 0, [first])], step=1))
+    src.begin_step(StepPlan(step=2))
+    assert reading.wait(30)
+    step = threading.Thread(target=src.begin_step, args=(StepPlan(fence=1, step=3),), daemon=True)
+    step.start()  # it reuses blocks 0 and 1
+    step.join(timeout=save_process.ANSWER_SECONDS / 2)
+    assert not step.is_alive(), "the step waited on the stopped save process"
+    assert child._proc.poll() is not None and src._save_process is None
+    assert "the save process is gone (no answer in 0.5 s)" in caplog.text
+    assert (src.take_stats() or {})["save_skipped_chunks"] == 1
+    save(src, StepPlan(saves=[SaveSpec("a", 0, [second])], step=4))
     assert (src.take_stats() or {})["saved_chunks"] == 1
     assert run_loads(dst, StepPlan(loads=[LoadSpec("b", [ChunkOp(second.link, 2, [5, 6])])])) == set()
     for (_, s), (_, d) in zip(src_layers, dst_layers, strict=True):

@@ -45,9 +45,13 @@ if TYPE_CHECKING:
 
 log = connector_logger(__name__)
 
-# How long the worker waits for the child's next message (start-up, a sidecar call, a copy) before it
-# kills the child and saves on its own thread: well past the sidecar client's own timeouts.
+# How long the worker waits for the child's next message (start-up, a sidecar call) before it kills the
+# child and saves on its own thread: well past the sidecar client's own timeouts.
 ANSWER_SECONDS = 30.0
+# The same while the child reads vLLM's blocks: a step that reuses them waits on that read (saver.py's
+# fence), and a read is memory speed (a 256 MiB step in about 0.1 s, a second at nice 10 beside a busy
+# thread): a child that has not finished by then is stopped or stuck, and the step must not wait 30 s.
+COPY_SECONDS = 5.0
 # prctl(2): Yama's PR_SET_PTRACER, naming the one process that may read this one's memory
 PR_SET_PTRACER = 0x59616D61
 # what ps and top call the child
@@ -112,9 +116,9 @@ class SaveProcess:
             self.close()
             raise
 
-    def _recv(self) -> Any:
-        if not self._conn.poll(ANSWER_SECONDS):
-            raise SaveProcessGone(f"no answer in {ANSWER_SECONDS:.0f} s")
+    def _recv(self, seconds: float = ANSWER_SECONDS) -> Any:
+        if not self._conn.poll(seconds):
+            raise SaveProcessGone(f"no answer in {seconds:g} s")
         try:
             return self._conn.recv()
         except (EOFError, OSError) as e:
@@ -135,7 +139,7 @@ class SaveProcess:
         try:
             self._send([(s.op, s.key, s.priority) for s in saves])
             while True:
-                message = self._recv()
+                message = self._recv(COPY_SECONDS if copying else ANSWER_SECONDS)
                 if message == "copy?":
                     copying = start_copy()
                     self._send(copying)
