@@ -500,6 +500,7 @@ def test_a_save_process_stopped_while_it_reads_the_blocks_is_killed_before_the_s
     step.start()  # it reuses blocks 0 and 1
     step.join(timeout=save_process.ANSWER_SECONDS / 2)
     assert not step.is_alive(), "the step waited on the stopped save process"
+    assert src.saver.drain(30)  # the save thread lets the step go before it says why and drops the child
     assert child._proc.poll() is not None and src._save_process is None
     assert "the save process is gone (no answer in 0.5 s)" in caplog.text
     assert (src.take_stats() or {})["save_skipped_chunks"] == 1
