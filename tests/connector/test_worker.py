@@ -8,6 +8,7 @@ import mmap
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,36 @@ def test_a_steps_saves_start_when_the_next_step_begins_not_as_it_ends(monkeypatc
     queue.begin(2)
     assert started.wait(10)
     assert queue.drain(10) and queue.saved_through() == 1
+    queue.close()
+
+
+def test_steps_that_queue_no_saves_leave_the_save_thread_asleep() -> None:
+    """Each wake of the save thread is a turn at vLLM's GIL on the step's path, and every step begins
+    and ends: only a step that queues saves, or one that lets held saves start, may wake it."""
+    wakes: list[int] = []  # a return from Condition.wait on the save thread: it woke
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code is threading.Condition.wait.__code__:
+            wakes.append(1)
+
+    threading.setprofile(profile)  # the save thread, started by the first put, runs under it
+    try:
+        queue = SaveQueue(lambda job: None)
+        queue.note(1)
+        assert queue.put(SaveJob(1, ["a chunk"], reads_blocks=True))
+    finally:
+        threading.setprofile(None)  # None removes it
+    queue.begin(2)
+    assert queue.drain(10)  # its last wake (step 2 began) came before the save it let start
+    woke = len(wakes)
+    for step in range(2, 202):  # decode steps: nothing to save
+        queue.begin(step)
+        queue.note(step)
+    deadline = time.monotonic() + 0.5  # watched this long: a thread woken would have run by then
+    while time.monotonic() < deadline and len(wakes) == woke:
+        time.sleep(0.01)
+    assert len(wakes) == woke, f"the save thread woke {len(wakes) - woke} times"
+    assert queue.saved_through() == 201
     queue.close()
 
 

@@ -59,11 +59,17 @@ class SaveQueue:
     def __init__(self, run: Callable[[SaveJob], None], threaded: bool = True):
         self._run = run
         self._threaded = threaded
-        self._cv = threading.Condition()
+        # One lock, two conditions: the save thread waits on _work, the worker's fence, drain and close
+        # on _done. A step that neither queues nor waits for a save wakes neither: each wake of the
+        # save thread is a turn at vLLM's GIL on the step's path.
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._done = threading.Condition(self._lock)
         self._queue: deque[SaveJob] = deque()
         self._busy: SaveJob | None = None
         self._last_step = 0
         self._begun = 0  # the newest step the worker has begun
+        self._holding = -1  # the step whose saves the save thread holds for the next step (-1: none)
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -77,38 +83,41 @@ class SaveQueue:
             finally:
                 self._busy = None
             return True
-        with self._cv:
+        with self._lock:
             if self._closed or len(self._queue) >= MAX_QUEUED_STEPS:
                 return False
             self._queue.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvpool-save", daemon=True)
                 self._thread.start()
-            self._cv.notify_all()
+            self._work.notify()
         return True
 
     def note(self, step: int) -> None:
         """The worker has seen `step`: once its saves (if any) finish, saved_through passes it."""
-        with self._cv:
+        with self._lock:
             self._last_step = max(self._last_step, step)
 
     def begin(self, step: int) -> None:
         """The worker begins `step`: the saves of earlier steps may start."""
-        with self._cv:
+        with self._lock:
             self._begun = max(self._begun, step)
-            self._cv.notify_all()
+            if 0 <= self._holding < step:
+                self._work.notify()
 
     def _hold(self, step: int) -> None:
         """Called with the lock held: waits until a step after `step` has begun, or HOLD_SECONDS."""
-        self._cv.wait_for(lambda: self._begun > step or self._closed, timeout=HOLD_SECONDS)
+        self._holding = step
+        self._work.wait_for(lambda: self._begun > step or self._closed, timeout=HOLD_SECONDS)
+        self._holding = -1
 
     def _loop(self) -> None:
         side_thread()  # started from vLLM's thread: a CPU engine's compute cores and OpenMP team
         below_vllm()  # nothing in the step waits for a save: vLLM's threads take the CPU first
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._queue and not self._closed:
-                    self._cv.wait()
+                    self._work.wait()
                 if not self._queue:
                     return
                 job = self._busy = self._queue.popleft()
@@ -117,11 +126,11 @@ class SaveQueue:
                 if job.state != FENCED:
                     self._run(job)
             finally:
-                with self._cv:
+                with self._lock:
                     if job.state != FENCED:
                         job.state = COPIED
                     self._busy = None
-                    self._cv.notify_all()
+                    self._done.notify_all()
             # Not held while waiting for the next job: on CUDA its pinned buffer could not be reused,
             # and every step's new one was a cudaHostAlloc, which waits for the whole device (#26).
             del job
@@ -129,17 +138,17 @@ class SaveQueue:
     # --- called by run(job), on the save thread ----------------------------------------------------
 
     def start_copy(self, job: SaveJob) -> bool:
-        with self._cv:
+        with self._lock:
             if job.state == FENCED:
                 return False
             job.state = COPYING
             return True
 
     def end_copy(self, job: SaveJob) -> None:
-        with self._cv:
+        with self._lock:
             if job.state == COPYING:
                 job.state = COPIED
-            self._cv.notify_all()
+            self._done.notify_all()
 
     # --- called by the worker, on vLLM's thread ------------------------------------------------------
 
@@ -150,38 +159,39 @@ class SaveQueue:
         """Returns once no save of a step <= `through` reads a block: waits up to `wait` seconds for
         them, then fences off those not copying yet (returned: the caller counts them) and waits for a
         copy in progress."""
-        with self._cv:
+        with self._lock:
             reading = lambda: any(j.reads(through) for j in self._pending())  # noqa: E731
-            if not reading() or self._cv.wait_for(lambda: not reading(), timeout=wait):
+            if not reading() or self._done.wait_for(lambda: not reading(), timeout=wait):
                 return []
             fenced = [j for j in self._pending() if j.reads(through) and j.state != COPYING]
             for j in fenced:
                 j.state = FENCED
-            self._cv.wait_for(lambda: not reading())
+            self._done.wait_for(lambda: not reading())
             return fenced
 
     def saved_through(self) -> int:
         """Every save planned at a step <= this has finished (committed, skipped or dropped)."""
-        with self._cv:
+        with self._lock:
             pending = self._pending()
             return min(j.step for j in pending) - 1 if pending else self._last_step
 
     def drain(self, timeout: float) -> bool:
         """Waits until every queued save has finished; False if `timeout` passed first."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._pending(), timeout=timeout)
+        with self._lock:
+            return self._done.wait_for(lambda: not self._pending(), timeout=timeout)
 
     def close(self, drain: float = CLOSE_DRAIN_SECONDS) -> None:
         """Lets the queued saves finish for up to `drain` seconds (an engine shutting down keeps what
         its last steps computed), drops the rest and stops the thread once a copy in progress is done
         (the caller unmaps the arena and frees the blocks next)."""
-        with self._cv:
-            self._cv.wait_for(lambda: not self._pending(), timeout=drain)
+        with self._lock:
+            self._done.wait_for(lambda: not self._pending(), timeout=drain)
             self._closed = True
             for j in self._pending():
                 if j.state != COPYING:
                     j.state = FENCED
-            self._cv.notify_all()
+            self._work.notify_all()
+            self._done.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join(timeout=10)
