@@ -256,6 +256,11 @@ class KVPoolWorker:
         with self._staged_lock:
             self._staged_bytes -= sum(self._bytes(s) for s in saves if s.staged)
 
+    @property
+    def copies_layers(self) -> bool:
+        """Whether save_layer has any work: CUDA copies each layer out inside the forward."""
+        return self._stream is not None
+
     def save_layer(self, layer_name: str, meta: StepPlan) -> None:
         """Called inside the forward as each layer is written: on CUDA its copy starts at once.
         Never raises into vLLM."""
