@@ -192,8 +192,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         # vLLM calls this for every layer of every step; only CUDA copies a layer out as it is written
-        if self.worker is not None and self.worker.copies_layers:
-            self.worker.save_layer(layer_name, self._meta())
+        if self._worker.copies_layers:
+            self._worker.save_layer(layer_name, self._meta())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the step touches a block: the earlier steps' saves may start, and those still reading

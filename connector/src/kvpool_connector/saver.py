@@ -69,7 +69,6 @@ class SaveQueue:
         self._busy: SaveJob | None = None
         self._last_step = 0
         self._begun = 0  # the newest step the worker has begun
-        self._holding = -1  # the step whose saves the save thread holds for the next step (-1: none)
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -102,14 +101,12 @@ class SaveQueue:
         """The worker begins `step`: the saves of earlier steps may start."""
         with self._lock:
             self._begun = max(self._begun, step)
-            if 0 <= self._holding < step:
+            if self._busy is not None and self._busy.step < step:  # held (else no one waits on _work)
                 self._work.notify()
 
     def _hold(self, step: int) -> None:
         """Called with the lock held: waits until a step after `step` has begun, or HOLD_SECONDS."""
-        self._holding = step
         self._work.wait_for(lambda: self._begun > step or self._closed, timeout=HOLD_SECONDS)
-        self._holding = -1
 
     def _loop(self) -> None:
         side_thread()  # started from vLLM's thread: a CPU engine's compute cores and OpenMP team
