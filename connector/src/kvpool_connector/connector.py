@@ -84,6 +84,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: KVPoolScheduler | None = None
         self.worker: KVPoolWorker | None = None
         self._num_blocks = kv_cache_config.num_blocks
+        self._layer_work = False  # whether this step's attention layers call in (has_connector_metadata)
         # a model kvpool cannot cache is served without it: an optional cache never stops an engine
         self.off: str | None = None
         try:
@@ -164,6 +165,23 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, KVPoolMetadata)
         return meta
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._layer_work = (
+            self.worker is not None
+            and self.worker.copies_layers
+            and isinstance(connector_metadata, KVPoolMetadata)
+            and bool(connector_metadata.saves)
+        )
+
+    def has_connector_metadata(self) -> bool:
+        """What vLLM asks before each attention layer, calling wait_for_layer_load and save_kv_layer
+        around it only on True: so True only where this step's layers have work for kvpool (CUDA
+        copying out the step's saves as each layer is written). A load has landed before the forward
+        (start_load_kv), so no layer waits for one; elsewhere that is 2 calls a layer of every step spared.
+        kvpool's own hooks check the metadata itself."""
+        return self._layer_work and self._connector_metadata is not None
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker.start_load(self._meta())
 
@@ -171,7 +189,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
         pass  # an in-step load has landed before the forward starts (start_load_kv waits for it)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        idle = self.has_connector_metadata() and self._meta().idle
+        meta = self._connector_metadata
+        idle = isinstance(meta, KVPoolMetadata) and meta.idle
         return None, (self._worker.get_finished(wait=idle) or None)
 
     @property
@@ -191,9 +210,7 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        # vLLM calls this for every layer of every step; only CUDA copies a layer out as it is written
-        if self._worker.copies_layers:
-            self._worker.save_layer(layer_name, self._meta())
+        self._worker.save_layer(layer_name, self._meta())  # called only where _layer_work
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the step touches a block: the earlier steps' saves may start, and those still reading
@@ -202,8 +219,8 @@ class KVPoolConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.begin_step(kv_connector_metadata)
 
     def wait_for_save(self) -> None:
-        if self.has_connector_metadata():
-            self._worker.finish_step(self._meta())
+        if isinstance(meta := self._connector_metadata, KVPoolMetadata):
+            self._worker.finish_step(meta)
 
     def build_connector_worker_meta(self) -> KVPoolSaveProgress | None:
         return KVPoolSaveProgress(self.worker.saved_through()) if self.worker is not None else None
