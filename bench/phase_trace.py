@@ -1,7 +1,7 @@
 """A vLLM general plugin that times the engine's phases in any server, vLLM alone or with kvpool, for
 `bench phases`: the scheduler's schedule(), update_from_output() and add_request() and the engine's
-pause and resume (engine-core process), the worker's execute_model() (the forward), and kvpool's
-lookups and saves.
+pause and resume (engine-core process), the worker's execute_model() (the forward) and the model's
+own forward inside it, and kvpool's lookups and saves.
 
 vLLM loads it in its engine-core and worker processes from the entry point that `plugin_dir()` writes
 (put that folder on the server's PYTHONPATH). Each process keeps its records in memory and writes them
@@ -90,6 +90,7 @@ def install() -> None:
     _installed = True
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.gpu_worker import Worker
 
     _timed(Scheduler, "schedule", "schedule", _tokens)
@@ -104,6 +105,7 @@ def install() -> None:
         _worker_tokens,
         lambda args, out: not args[1].total_num_scheduled_tokens,
     )
+    _timed(GPUModelRunner, "_model_forward", "model")  # the model alone, inside execute_model
     try:
         from kvpool_connector import KVPoolConnector
         from kvpool_connector.worker import KVPoolWorker
