@@ -22,6 +22,7 @@ import os
 import statistics
 import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -41,6 +42,25 @@ SERVERS = (ALONE, KVPOOL)
 
 def trace_records(where: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for f in sorted(where.glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+@contextlib.contextmanager
+def traced_pair(
+    every: dict[str, Any], work: Path, n: int
+) -> Iterator[tuple[tuple[str, ...], dict[str, str], dict[str, Path]]]:
+    """Set n's fresh vLLM alone and kvpool servers (start order alternating), both traced: yields the
+    order, their URLs and the folder each one's records go to; all written once the block ends."""
+    order = SERVERS if n % 2 == 0 else SERVERS[::-1]
+    traces = {s: work / f"set{n}" / f"trace{i}" for i, s in enumerate(SERVERS)}
+    for where in traces.values():
+        where.mkdir(parents=True)
+    with contextlib.ExitStack() as stack:
+        envs = {s: server_env(work / "plugin", traces[s]) for s in SERVERS}
+        urls = start_servers(every, order, work / f"set{n}", stack, envs.__getitem__)
+        yield order, urls, traces
+        for url in urls.values():  # the engine core writes its records at a pause
+            engine_call(url, "/pause?mode=keep&clear_cache=false")
+            engine_call(url, "/resume")
 
 
 def phases(wave: Wave, records: list[dict[str, Any]]) -> dict[str, float]:
@@ -111,20 +131,11 @@ def main() -> None:
         mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}),
     ):
         for n in range(SETS):
-            order = SERVERS if n % 2 == 0 else SERVERS[::-1]
-            traces = {s: Path(d) / f"set{n}" / f"trace{i}" for i, s in enumerate(SERVERS)}
-            for where in traces.values():
-                where.mkdir(parents=True)
-            with contextlib.ExitStack() as stack:
-                envs = {s: server_env(Path(d) / "plugin", traces[s]) for s in SERVERS}
-                urls = start_servers(every, order, Path(d) / f"set{n}", stack, envs.__getitem__)
+            with traced_pair(every, Path(d), n) as (order, urls, traces):
                 waves = {
                     lv: lockstep(urls, unique_prompts(nw * lv, seed=50_000 + 100 * n + lv), lv)
                     for lv, nw in WAVES.items()
                 }
-                for url in urls.values():  # the engine core writes its records at a pause
-                    engine_call(url, "/pause?mode=keep&clear_cache=false")
-                    engine_call(url, "/resume")
             print(f"set {n} ({', '.join(order)}) ({load_note()})", flush=True)
             records = {s: trace_records(traces[s]) for s in SERVERS}
             for lv, by_server in waves.items():

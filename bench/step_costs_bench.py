@@ -15,7 +15,6 @@ Run: `.venv/bin/python -m bench step_costs` (about 10 minutes on 2 cores).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import tempfile
@@ -23,10 +22,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, unique_prompts
-from bench.paired_bench import DEV_MODE, engine_call, lockstep, start_servers
-from bench.phase_trace import server_env
-from bench.phases_bench import trace_records
+from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, unique_prompts
+from bench.paired_bench import DEV_MODE, lockstep
+from bench.phases_bench import SERVERS, trace_records, traced_pair
 from bench.stats import load_note
 from bench.workloads_bench import arms
 from kvpool_demo.localrun import HUGE_PAGES
@@ -34,7 +32,6 @@ from kvpool_demo.tinymodel import BENCH, make_model
 
 SETS = 4
 WAVES = 30
-SERVERS = (ALONE, KVPOOL)
 PARTS = ("worker outside the model", "schedule()", "update_from_output()", "the model's forward")
 
 
@@ -69,17 +66,8 @@ def main() -> None:
         mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}),
     ):
         for n in range(SETS):
-            order = SERVERS if n % 2 == 0 else SERVERS[::-1]
-            traces = {s: Path(d) / f"set{n}" / f"trace{i}" for i, s in enumerate(SERVERS)}
-            for where in traces.values():
-                where.mkdir(parents=True)
-            with contextlib.ExitStack() as stack:
-                envs = {s: server_env(Path(d) / "plugin", traces[s]) for s in SERVERS}
-                urls = start_servers(every, order, Path(d) / f"set{n}", stack, envs.__getitem__)
+            with traced_pair(every, Path(d), n) as (order, urls, traces):
                 lockstep(urls, unique_prompts(WAVES, seed=60_000 + n), 1)
-                for url in urls.values():  # the engine core writes its records at a pause
-                    engine_call(url, "/pause?mode=keep&clear_cache=false")
-                    engine_call(url, "/resume")
             steps = {s: decode_steps(trace_records(traces[s])) for s in SERVERS}
             counted = len(steps[ALONE][PARTS[0]])
             print(f"set {n} ({', '.join(order)}; {counted} decode steps each)", flush=True)
