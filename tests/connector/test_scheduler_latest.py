@@ -11,6 +11,7 @@ pytestmark = pytest.mark.vllm_latest
 
 vllm = pytest.importorskip("vllm")
 from schedkit import (  # noqa: E402
+    CHUNK,
     add_and_see_it_asked,
     assert_empty,
     first_computed,
@@ -172,6 +173,42 @@ def test_save_decode_cache_saves_generated_chunks_only_when_asked(tiny_model, si
     s.add_request(make_request(prompt(40, 11), max_tokens=40))  # 80 tokens: chunk [32, 64) is mostly decode
     saves = saves_of(run_to_end(s))
     assert len([op for sv in saves for op in sv.chunks]) == (2 if save_decode else 1)
+    assert_empty(s)
+
+
+class _CountedSpans(set):
+    """A request's saved spans, counting how often a step asks whether one is saved."""
+
+    asked = 0
+
+    def __contains__(self, span: object) -> bool:
+        _CountedSpans.asked += 1
+        return super().__contains__(span)
+
+
+def test_a_decode_step_looks_at_no_chunk_of_the_prompt_again(tiny_model, sidecar) -> None:
+    """Each chunk is looked at once, in the step it becomes due; a step of a running request looks at
+    none it has passed (a 32k-token prompt has 128 chunks of 256 tokens, for each running request at
+    each step)."""
+    url, _ = sidecar
+    s = make_scheduler(tiny_model, url)
+    req = make_request(prompt(12 * CHUNK, 16), max_tokens=40)
+    s.add_request(req)
+    st = s.connector.scheduler.reqs[req.request_id]
+    saved = 0
+    for _ in range(6):  # its prefill, 64 tokens a step
+        so = s.schedule()
+        saved += sum(len(sv.chunks) for sv in so.kv_connector_metadata.saves)
+        s.update_from_output(so, model_output(s, so))
+    assert req.num_computed_tokens == req.num_prompt_tokens
+    assert saved == 12 and len(st.saved) == 12
+    st.saved = _CountedSpans(st.saved)
+    for _ in range(4):  # its next steps: no chunk becomes due
+        so = s.schedule()
+        assert req.request_id in so.num_scheduled_tokens and not so.kv_connector_metadata.saves
+        s.update_from_output(so, model_output(s, so))
+    assert _CountedSpans.asked == 0
+    run_to_end(s)
     assert_empty(s)
 
 

@@ -97,6 +97,9 @@ class _ReqState:
     links: list[bytes] = field(default_factory=list)  # chain links of full chunks, extended lazily
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved: set[Span] = field(default_factory=set)  # spans known to be in the sidecar
+    # how many of its spans (_save_spec's list, in order of their ends) have been due: each is in
+    # `saved`, so a step looks only past them, not at every chunk of a long prompt again
+    spans_due: int = 0
     prompt_spans: list[Span] | None = None  # its prompt's chunks (_prompt_spans), made once
     lookup: tuple[int, list[Span]] | None = None  # (num_computed_tokens asked, hit spans)
     load: Span | None = None  # tokens to load in the request's next scheduled step
@@ -107,6 +110,11 @@ class _ReqState:
     load_failed: bool = False
     asked: _Asked | None = None  # the last lookup's answer while the request waits to be scheduled
     sent: _Sent | None = None  # its lookup, sent on arrival and not read yet
+
+    def forget_saves(self, through: int = 0) -> None:
+        """The spans ending after token `through` are to be saved again when due."""
+        self.saved = {s for s in self.saved if s[1] <= through}
+        self.spans_due = 0
 
 
 class KVPoolScheduler:
@@ -660,8 +668,12 @@ class KVPoolScheduler:
         spans = self._prompt_spans(st)
         if self.cfg.save_decode_cache:
             spans = spans + decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
-        todo = [s for s in spans if s[1] <= computed_end and s not in st.saved]
+        due = st.spans_due
+        while due < len(spans) and spans[due][1] <= computed_end:
+            due += 1
+        todo = [s for s in spans[st.spans_due : due] if s not in st.saved]
         st.saved.update(todo)  # saved now, or never: a block out of the window never comes back
+        st.spans_due = due
         if not todo or (links := self._links(st, todo)) is None:
             return None
         bs = self.block_size
@@ -715,7 +727,7 @@ class KVPoolScheduler:
                     st.load_failed = True
                     self.stats.add("failed_load_requests")
                 if req_id in failed:
-                    st.saved.clear()
+                    st.forget_saves()
                 st.loading = set()
         if not bad:
             return
@@ -726,7 +738,7 @@ class KVPoolScheduler:
                 (i for i, b in enumerate(st.block_ids[0] if st.block_ids else []) if b in bad), None
             )
             if first_bad is not None:
-                st.saved = {s for s in st.saved if s[1] <= first_bad * self.block_size}
+                st.forget_saves(first_bad * self.block_size)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)
@@ -745,7 +757,7 @@ class KVPoolScheduler:
             self.events.reset()
         for st in self.reqs.values():
             st.links.clear()
-            st.saved.clear()
+            st.forget_saves()
             st.lookup = None
             self._forget_sent(st)  # it asked for the old generation's keys
         log.info("kvpool: cache reset: chunks saved before are never loaded by this engine again")
