@@ -1,16 +1,20 @@
-"""What a decode step costs outside the model, in vLLM alone and in kvpool (#24): the fixed work a
+"""What a step costs outside the model, in vLLM alone and in kvpool (#24): the fixed work a
 connector adds to every step of every request, hit or miss, measured apart from the forward's
 process-to-process spread.
 
 SETS sets of a fresh vLLM alone and a fresh kvpool server, both up at once (start order alternating),
-sent the same released waves of one unique 352-token prompt (first server alternating). Both run
+sent the same released waves of LEVEL unique 352-token prompts (first server alternating). Both run
 bench/phase_trace.py, which times in the engine's own processes each step's schedule() and
 update_from_output() (engine core), the worker's execute_model() and the model's forward inside it.
-Per decode step (one token scheduled): the worker's time outside the model (input preparation,
-vLLM's connector calls and kvpool's worker hooks), schedule() (kvpool's build_connector_meta) and
-update_from_output() (update_connector_output, the stats). Medians over a set's steps, in
-microseconds; kvpool's difference per set and the median of the sets.
-Run: `.venv/bin/python -m bench step_costs` (about 10 minutes on 2 cores).
+Per step: the worker's time outside the model (input preparation, vLLM's connector calls and
+kvpool's worker hooks, the hand-off of saves), schedule() (kvpool's build_connector_meta) and
+update_from_output() (update_connector_output, the stats). Decode steps (LEVEL tokens scheduled) and
+the steps that carry prompt tokens are counted apart. Medians over a set's steps, in microseconds;
+kvpool's difference per set and the median of the sets. It also adds each wave's steps up, from its
+release to its last token: the share of vLLM alone's wave that kvpool's work outside the model
+costs, which a comparison of whole servers cannot resolve at load (bench processes).
+Run: `.venv/bin/python -m bench step_costs` (about 10 minutes on 2 cores); at a level:
+`python -c "import bench.step_costs_bench as s; s.LEVEL=8; s.main()"`.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 from unittest import mock
 
 from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, unique_prompts
-from bench.paired_bench import DEV_MODE, lockstep
+from bench.paired_bench import DEV_MODE, Wave, lockstep
 from bench.phases_bench import SERVERS, trace_records, traced_pair
 from bench.stats import load_note
 from bench.workloads_bench import arms
@@ -32,51 +36,89 @@ from kvpool_demo.tinymodel import BENCH, make_model
 
 SETS = 4
 WAVES = 30
+LEVEL = 1  # requests a wave: every decode step schedules LEVEL tokens
 PARTS = ("worker outside the model", "schedule()", "update_from_output()", "the model's forward")
+KINDS = ("decode", "with prompt tokens")
+Timed = tuple[float, int | None, str, float]  # a step's part: its start, the tokens scheduled, seconds
 
 
-def decode_steps(records: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """Each decode step's parts (seconds) from one server's trace records (all its processes)."""
-    out: dict[str, list[float]] = {part: [] for part in PARTS}
+def kind(tokens: int | None) -> str | None:
+    """A step's kind by the tokens it scheduled (None: an empty step)."""
+    return None if not tokens else "decode" if tokens == LEVEL else "with prompt tokens"
+
+
+def parts_timed(records: list[dict[str, Any]]) -> list[Timed]:
+    """(start, tokens scheduled, part, seconds) for each part of each step, from one server's trace
+    records (all its processes)."""
+    out: list[Timed] = []
     models = sorted((r for r in records if r["phase"] == "model"), key=lambda r: r["t0"])
     for r in records:
-        if r["phase"] == "forward" and r.get("tokens") == 1:
+        if r["phase"] == "forward":
             inside = [m for m in models if r["t0"] <= m["t0"] and m["t1"] <= r["t1"]]
             model = sum(m["t1"] - m["t0"] for m in inside)
-            out["worker outside the model"].append(r["t1"] - r["t0"] - model)
-            out["the model's forward"].append(model)
+            out.append((r["t0"], r.get("tokens"), PARTS[0], r["t1"] - r["t0"] - model))
+            out.append((r["t0"], r.get("tokens"), PARTS[3], model))
     tokens = None  # update_from_output follows its step's schedule() in the engine core
     for r in sorted((r for r in records if r["phase"] in ("schedule", "update")), key=lambda r: r["t0"]):
         if r["phase"] == "schedule":
             tokens = r.get("tokens")
-            if tokens == 1:
-                out["schedule()"].append(r["t1"] - r["t0"])
-        elif tokens == 1:
-            out["update_from_output()"].append(r["t1"] - r["t0"])
+        out.append((r["t0"], tokens, PARTS[1] if r["phase"] == "schedule" else PARTS[2], r["t1"] - r["t0"]))
     return out
+
+
+def step_parts(timed: list[Timed], waves: list[Wave], of: str) -> dict[str, list[float]]:
+    """Each step's parts (seconds), for the steps of one kind run for the waves."""
+    out: dict[str, list[float]] = {part: [] for part in PARTS}
+    for t0, tokens, part, seconds in timed:
+        if kind(tokens) == of and any(during(t0, w) for w in waves):
+            out[part].append(seconds)
+    return out
+
+
+def outside_a_wave(timed: list[Timed], waves: list[Wave]) -> list[float]:
+    """Each wave's time outside the model (seconds): every step's parts but the forward, from the
+    wave's release to its last token."""
+    return [sum(t for t0, _, part, t in timed if part != PARTS[3] and during(t0, w)) for w in waves]
+
+
+def during(t0: float, wave: Wave) -> bool:
+    return wave.released_at <= t0 <= wave.released_at + wave.seconds
 
 
 def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
     every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
-    deltas: dict[str, list[float]] = {part: [] for part in PARTS}
+    deltas: dict[tuple[str, str], list[float]] = {(k, part): [] for k in KINDS for part in PARTS}
+    shares: list[float] = []  # of a wave, kvpool's extra work outside the model
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-step-costs-", dir="/dev/shm") as d,
         mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}),
     ):
         for n in range(SETS):
             with traced_pair(every, Path(d), n) as (order, urls, traces):
-                lockstep(urls, unique_prompts(WAVES, seed=60_000 + n), 1)
-            steps = {s: decode_steps(trace_records(traces[s])) for s in SERVERS}
-            counted = len(steps[ALONE][PARTS[0]])
-            print(f"set {n} ({', '.join(order)}; {counted} decode steps each)", flush=True)
-            for part in PARTS:
-                a, k = (1e6 * statistics.median(steps[s][part]) for s in SERVERS)
-                deltas[part].append(k - a)
-                print(f"  {part}: vLLM alone {a:.0f} us, kvpool {k:.0f} us, kvpool - alone {k - a:+.0f} us")
+                turns = unique_prompts(WAVES * LEVEL, seed=60_000 + 100 * (LEVEL - 1) + n)
+                waves = lockstep(urls, turns, LEVEL)
+            timed = {s: parts_timed(trace_records(traces[s])) for s in SERVERS}
+            print(f"set {n} ({', '.join(order)}; waves of {LEVEL})", flush=True)
+            for k in KINDS:
+                steps = {s: step_parts(timed[s], waves[s], k) for s in SERVERS}
+                print(f"  {k} steps ({len(steps[ALONE][PARTS[0]])} each):", flush=True)
+                for part in PARTS:
+                    a, b = (1e6 * statistics.median(steps[s][part]) for s in SERVERS)
+                    deltas[k, part].append(b - a)
+                    print(f"    {part}: vLLM alone {a:.0f} us, kvpool {b:.0f} us, difference {b - a:+.0f}")
+            a, b = (1e6 * statistics.median(outside_a_wave(timed[s], waves[s])) for s in SERVERS)
+            wave = 1e6 * statistics.median(w.seconds for w in waves[ALONE])
+            shares.append((b - a) / wave)
+            print(f"  outside the model a wave: alone {a:.0f} us, kvpool {b:.0f} us ({wave / 1e3:.0f} ms)")
             print(f"  ({load_note()})", flush=True)
-    print(f"\nper decode step, kvpool - vLLM alone (median of {SETS} sets; the sets' range):")
-    for part in PARTS:
-        v = deltas[part]
-        print(f"  {part}: {statistics.median(v):+.0f} us ({min(v):+.0f} to {max(v):+.0f})")
+    for k in KINDS:
+        print(f"\nper {k} step, kvpool - vLLM alone (median of {SETS} sets; the sets' range):")
+        for part in PARTS:
+            v = deltas[k, part]
+            print(f"  {part}: {statistics.median(v):+.0f} us ({min(v):+.0f} to {max(v):+.0f})")
+    print(
+        f"\nkvpool's extra work outside the model, as a share of vLLM alone's wave: "
+        f"{100 * statistics.median(shares):+.2f}% ({100 * min(shares):+.2f}% to {100 * max(shares):+.2f}%)"
+    )
