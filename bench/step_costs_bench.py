@@ -8,7 +8,7 @@ bench/phase_trace.py, which times in the engine's own processes each step's sche
 update_from_output() (engine core), the worker's execute_model() and the model's forward inside it.
 Per step: the worker's time outside the model (input preparation, vLLM's connector calls and
 kvpool's worker hooks, the hand-off of saves), schedule() (kvpool's build_connector_meta) and
-update_from_output() (update_connector_output, the stats). Decode steps (LEVEL tokens scheduled) and
+update_from_output() (update_connector_output, the stats). Decode steps (a token a request) and
 the steps that carry prompt tokens are counted apart. Medians over a set's steps, in microseconds;
 kvpool's difference per set and the median of the sets. It also adds each wave's steps up, from its
 release to its last token: the share of vLLM alone's wave that kvpool's work outside the model
@@ -36,15 +36,16 @@ from kvpool_demo.tinymodel import BENCH, make_model
 
 SETS = 4
 WAVES = 30
-LEVEL = 1  # requests a wave: every decode step schedules LEVEL tokens
+LEVEL = 1  # requests a wave: a decode step schedules a token for each running one, LEVEL at most
 PARTS = ("worker outside the model", "schedule()", "update_from_output()", "the model's forward")
 KINDS = ("decode", "with prompt tokens")
 Timed = tuple[float, int | None, str, float]  # a step's part: its start, the tokens scheduled, seconds
 
 
-def kind(tokens: int | None) -> str | None:
-    """A step's kind by the tokens it scheduled (None: an empty step)."""
-    return None if not tokens else "decode" if tokens == LEVEL else "with prompt tokens"
+def kind(tokens: int | None) -> str:
+    """A step's kind by the tokens it scheduled. A decode step has fewer than
+    LEVEL tokens where a wave's requests finish in different steps, or wait for the engine's KV."""
+    return "empty" if not tokens else "decode" if tokens <= LEVEL else "with prompt tokens"
 
 
 def parts_timed(records: list[dict[str, Any]]) -> list[Timed]:
@@ -75,10 +76,17 @@ def step_parts(timed: list[Timed], waves: list[Wave], of: str) -> dict[str, list
     return out
 
 
-def outside_a_wave(timed: list[Timed], waves: list[Wave]) -> list[float]:
-    """Each wave's time outside the model (seconds): every step's parts but the forward, from the
-    wave's release to its last token."""
-    return [sum(t for t0, _, part, t in timed if part != PARTS[3] and during(t0, w)) for w in waves]
+def outside_a_wave(timed: list[Timed], waves: list[Wave], of: str | None = None) -> list[float]:
+    """Each wave's time outside the model (seconds): the parts but the forward of its steps (of one
+    kind, or all), from the wave's release to its last token."""
+    return [
+        sum(
+            t
+            for t0, tokens, part, t in timed
+            if part != PARTS[3] and of in (None, kind(tokens)) and during(t0, w)
+        )
+        for w in waves
+    ]
 
 
 def during(t0: float, wave: Wave) -> bool:
@@ -112,6 +120,9 @@ def main() -> None:
             wave = 1e6 * statistics.median(w.seconds for w in waves[ALONE])
             shares.append((b - a) / wave)
             print(f"  outside the model a wave: alone {a:.0f} us, kvpool {b:.0f} us ({wave / 1e3:.0f} ms)")
+            for k in (*KINDS, "empty"):  # schedule() calls that scheduled nothing
+                a, b = (1e6 * statistics.median(outside_a_wave(timed[s], waves[s], k)) for s in SERVERS)
+                print(f"    of which {k} steps: alone {a:.0f} us, kvpool {b:.0f} us, difference {b - a:+.0f}")
             print(f"  ({load_note()})", flush=True)
     for k in KINDS:
         print(f"\nper {k} step, kvpool - vLLM alone (median of {SETS} sets; the sets' range):")
