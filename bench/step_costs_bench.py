@@ -43,8 +43,8 @@ Timed = tuple[float, int | None, str, float]  # a step's part: its start, the to
 
 
 def kind(tokens: int | None) -> str:
-    """A step's kind by the tokens it scheduled. A decode step has fewer than
-    LEVEL tokens where a wave's requests finish in different steps, or wait for the engine's KV."""
+    """A step's kind by the tokens it scheduled. A decode step has fewer than LEVEL tokens where a
+    wave's requests finish in different steps, or wait for room in the engine's KV."""
     return "empty" if not tokens else "decode" if tokens <= LEVEL else "with prompt tokens"
 
 
