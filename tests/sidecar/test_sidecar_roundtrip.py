@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
+import signal
 import threading
 
 import pytest
 from kvtest import start_sidecar
 from sidecar_support import key, payload, reserved
 
-from kvpool_sidecar.client import SidecarClient, checksum
+from kvpool_sidecar.client import SidecarClient, checksum, read_answered
 from kvpool_sidecar.client_errors import SidecarError
 from kvpool_sidecar.wire import ARENA_HEADER_BYTES
 
@@ -261,6 +263,43 @@ def test_a_connection_the_sidecar_closed_while_idle_is_tried_once_more_on_a_new_
         assert c.lookup([key(1, "before")]) == 1  # over the socket: the new sidecar adopted it
         assert c.put(key(2, "after"), b"y")  # over HTTP
     finally:
+        c.close()
+        proc.stop()
+
+
+def test_sent_lookups_answered_so_far_are_read_ahead_without_waiting_for_the_rest(tmp_path) -> None:
+    """read_answered reads the answers already in their sockets and waits for no other: a sidecar that
+    has not answered yet (stopped here) leaves its lookup to be read when asked. An answer read ahead
+    is the one answer() gives; a failure read ahead (the sidecar killed) is raised by answer()."""
+    proc = start_sidecar(tmp_path, "1Mi")
+    c = SidecarClient(proc.info["url"], timeout=5, shm_path=str(proc.info["arena_dir"]))
+    keys, tails = [key(1, "r"), key(2, "r")], [[key(3, "r")], [key(1, "r")]]
+    try:
+        assert c.put(key(1, "r"), b"x")
+        answered = c.send_lookup(keys, 1, tails)
+        assert answered is not None
+        assert select.select([answered], [], [], 5)[0]  # its answer is in the socket
+        proc.popen.send_signal(signal.SIGSTOP)
+        waiting = c.send_lookup(keys, 0, [])  # the stopped sidecar answers nothing
+        assert waiting is not None
+        read_answered([answered, waiting])
+        assert answered.answered and not waiting.answered
+        proc.popen.send_signal(signal.SIGCONT)
+        assert answered.answer() == (1, 1)
+        assert select.select([waiting], [], [], 5)[0]
+        read_answered([waiting])
+        assert waiting.answered and waiting.answer() == (1, None)
+        proc.popen.send_signal(signal.SIGSTOP)
+        failing = c.send_lookup(keys, 1, tails)  # never answered
+        assert failing is not None
+        proc.kill()
+        assert select.select([failing], [], [], 5)[0]  # the closed socket is readable
+        read_answered([failing])
+        assert failing.answered
+        with pytest.raises(SidecarError):
+            failing.answer()
+    finally:
+        proc.popen.send_signal(signal.SIGCONT)
         c.close()
         proc.stop()
 

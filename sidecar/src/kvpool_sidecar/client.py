@@ -18,6 +18,7 @@ import http.client
 import json
 import os
 import secrets
+import select
 import socket
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -53,7 +54,7 @@ from kvpool_sidecar.wire import (
     slot_to_json,
 )
 
-__all__ = ["Pinned", "SentLookup", "SidecarClient", "Slot", "checksum"]
+__all__ = ["Pinned", "SentLookup", "SidecarClient", "Slot", "checksum", "read_answered"]
 
 T = TypeVar("T")
 
@@ -361,7 +362,8 @@ class SidecarClient:
 
 class SentLookup:
     """A lookup sent on its own connection whose answer has not been read yet. Its connection goes
-    back to the pool once the answer is read, or is closed by drop(); either happens once."""
+    back to the pool once the answer is read, or is closed by drop(); either happens once. The answer
+    may be read ahead (read_answered) and kept until answer() asks for it."""
 
     def __init__(
         self,
@@ -373,10 +375,31 @@ class SentLookup:
     ) -> None:
         self._pool, self._reused, self._again, self._where = pool, reused, again, where
         self._sock: socket.socket | None = sock
+        self._answer: tuple[int, int | None] | SidecarError | None = None
+
+    @property
+    def answered(self) -> bool:
+        """Whether its answer has been read from the socket (or failed to be)."""
+        return self._answer is not None
 
     def answer(self) -> tuple[int, int | None]:
-        """lookup_then_first_whole's answer. A reused connection that the sidecar had closed is asked
-        again on a new one (the lookup never reached it)."""
+        """lookup_then_first_whole's answer, read now unless read ahead. A reused connection that the
+        sidecar had closed is asked again on a new one (the lookup never reached it)."""
+        if self._answer is None:
+            return self._read()
+        answer, self._answer = self._answer, None
+        if isinstance(answer, SidecarError):
+            raise answer
+        return answer
+
+    def read_ahead(self) -> None:
+        """Reads the answer now (it is in the socket: read_answered), keeping it or its error."""
+        try:
+            self._answer = self._read()
+        except SidecarError as e:
+            self._answer = e
+
+    def _read(self) -> tuple[int, int | None]:
         sock, self._sock = self._sock, None
         assert sock is not None, "a sent lookup is answered once"
         try:
@@ -389,12 +412,30 @@ class SentLookup:
         self._pool.give(sock)
         return _lookup_answer(_control_body("lookup", answer))
 
+    def fileno(self) -> int:
+        """Its socket's descriptor while the answer waits there, else -1."""
+        return self._sock.fileno() if self._sock is not None else -1
+
     def drop(self) -> None:
-        """Forgets the answer unless it was read: the connection is closed, not reused (its answer
+        """Forgets the answer. A connection it was not read from is closed, not reused (the answer
         would be read next)."""
         sock, self._sock = self._sock, None
+        self._answer = None
         if sock is not None:
             self._pool.discard(sock)
+
+
+def read_answered(lookups: Sequence[SentLookup]) -> None:
+    """Reads ahead the answers of `lookups` that are in their sockets already, in one poll() that does
+    not wait: the rest are read when asked for."""
+    waiting = {fd: lk for lk in lookups if (fd := lk.fileno()) >= 0}
+    if not waiting:
+        return
+    poll = select.poll()
+    for fd in waiting:
+        poll.register(fd, select.POLLIN)
+    for fd, _ in poll.poll(0):
+        waiting[fd].read_ahead()
 
 
 def _control_body(op: str, answer: Any) -> Any:
