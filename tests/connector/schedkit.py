@@ -5,6 +5,9 @@ chunks into the sidecar under the keys the engine would use."""
 
 from __future__ import annotations
 
+import select
+import socket
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -199,11 +202,12 @@ def run_to_end(
     counters: dict[str, Any] | None = None,
     fail_loads: bool = False,
     before_step: Callable[[int], None] | None = None,
+    during_step: Callable[[int], None] | None = None,
 ) -> list:
     """Steps until nothing is left; returns the scheduler outputs (their connector metadata included).
     `counters` sums the connector's counters as the engine reports them; with `fail_loads` every
     load fails (a worker that can never load what the sidecar offers); `before_step` is called with
-    each step's index before its schedule()."""
+    each step's index before its schedule(), `during_step` after it, where the forward would run."""
     outputs: list[SchedulerOutput] = []
     for step in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -212,6 +216,8 @@ def run_to_end(
             before_step(step)
         so = scheduler.schedule()
         outputs.append(so)
+        if during_step is not None:
+            during_step(step)
         plan = so.kv_connector_metadata
         assert isinstance(plan, KVPoolMetadata)
         failed = {b for ld in plan.loads for op in ld.chunks for b in op.block_ids}
@@ -222,6 +228,47 @@ def run_to_end(
                 for name, value in (stats or {}).items():
                     counters[name] = counters.get(name, 0) + value
     raise AssertionError("requests did not finish")
+
+
+def watch_schedule_for_socket_calls(scheduler: Scheduler) -> list[list[str]]:
+    """From now on, the socket and poll calls each schedule() makes (one list a call, in order),
+    seen by a profile hook: every system call kvpool makes to its sidecar goes through one."""
+    calls: list[list[str]] = []
+    schedule = scheduler.schedule
+
+    def watched(*args: Any, **kwargs: Any) -> SchedulerOutput:
+        seen: list[str] = []
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "c_call" and (
+                isinstance(getattr(arg, "__self__", None), socket.socket)
+                or getattr(arg, "__module__", None) == "select"
+                or type(getattr(arg, "__self__", None)).__name__ == "poll"
+            ):
+                seen.append(arg.__qualname__)
+
+        sys.setprofile(profile)
+        try:
+            return schedule(*args, **kwargs)
+        finally:
+            sys.setprofile(None)
+            calls.append(seen)
+
+    scheduler.schedule = watched  # type: ignore[method-assign]
+    return calls
+
+
+def sidecar_answers_sent_lookups(scheduler: Scheduler) -> Callable[[int], None]:
+    """A `during_step` whose forward lasts until the sidecar has answered every lookup sent ahead so far
+    (as a real one of milliseconds to seconds does): each answer is in its socket when the step ends."""
+    kv = scheduler.connector.scheduler  # type: ignore[union-attr]
+
+    def forward(step: int) -> None:
+        for st in list(kv.reqs.values()):
+            if st.sent is not None and st.sent.lookup.fileno() >= 0:
+                assert select.select([st.sent.lookup], [], [], 5)[0], "the sidecar did not answer a lookup"
+
+    return forward
 
 
 def keys_asked(client: SidecarClient) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvpool_sidecar.client import SentLookup
+from kvpool_sidecar.client import SentLookup, read_answered
 from kvpool_sidecar.client_errors import SidecarError, SidecarTimeout
 
 from .breaker import BREAKER_SECONDS, Breaker
@@ -79,7 +79,8 @@ class _Plan:
 @dataclass
 class _Sent:
     """A plan sent to the sidecar ahead of schedule() (when vLLM received the request, or at the end of
-    a step it waited through), whose answer is read when vLLM asks."""
+    a step it waited through), whose answer is read as a step ends if it has come, else when vLLM
+    asks."""
 
     plan: _Plan
     computed: int  # the request's num_computed_tokens it was planned for
@@ -156,8 +157,8 @@ class KVPoolScheduler:
         # have not reported finished (link -> step, time planned; oldest first), which a lookup waits for.
         self._reading: dict[int, int] = {}
         self._unsaved: dict[bytes, tuple[int, float]] = {}
-        self._sent = 0  # lookups sent ahead and not read yet
-        self._renewals: list[_ReqState] = []  # waiting requests whose lookup is sent at the step's end
+        self._sent = 0  # lookups sent ahead and not taken by a lookup yet
+        self._renewals: list[_ReqState] = []  # waiting requests whose lookup is sent as the step ends
 
     # --- keys ------------------------------------------------------------------------------------
 
@@ -264,13 +265,14 @@ class KVPoolScheduler:
         return self._steps - asked.step < REASK_STEPS and self._clock() - asked.at < REASK_SECONDS
 
     def _renew(self, st: _ReqState, asked: _Asked) -> bool:
-        """Whether a waiting request's aged-out answer stands one more step: its renewal is sent at this
-        step's end (build_connector_meta), answered while the step runs, and read in the next
-        schedule(). Asking again here was a round trip inside schedule() to a sidecar that had been
-        idle through a long step (3-5.5 ms on a 2-core VM). It stands once: a renewal that could not
-        be sent is asked in schedule(), as before."""
-        if asked.renewing or st.sent is not None:  # a renewal's answer waits: read it
-            return False
+        """Whether a waiting request's aged-out answer stands one more step: its renewal is sent as this
+        step ends (update_connector_output), answered during the next step, read as that one ends, and
+        used in the schedule() after it. Asking again here was a round trip inside schedule() to a
+        sidecar that had been idle through a long step (3-5.5 ms on a 2-core VM). It stands once: a
+        renewal that could not be sent, or whose answer was not in its socket as the step after it
+        ended, is asked or read in schedule(), as before."""
+        if asked.renewing:  # its renewal was sent ahead unless nothing is out: read it, or ask
+            return st.sent is not None and not st.sent.lookup.answered and self._steps == st.sent.step
         asked.renewing = True
         self._renewals.append(st)
         return True
@@ -576,10 +578,6 @@ class KVPoolScheduler:
         for save in meta.saves:
             for op in save.chunks:
                 self._reading.update(dict.fromkeys(op.block_ids, self._steps))
-        for st in self._renewals:  # those still waiting (update_state_after_alloc clears `asked`)
-            if st.asked is not None and self.reqs.get(st.request.request_id) is st:
-                self._send_ahead(st, st.asked.computed, "lookups_renewed")
-        self._renewals.clear()
         if self.events is not None:
             self.events.planned()
         return meta
@@ -702,6 +700,7 @@ class KVPoolScheduler:
     # --- worker results, request end -------------------------------------------------------------
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._talk_between_steps()
         if self._unsaved:
             progress = getattr(output, "kv_connector_worker_meta", None)
             through = progress.saved_through if isinstance(progress, KVPoolSaveProgress) else 0
@@ -739,6 +738,19 @@ class KVPoolScheduler:
             )
             if first_bad is not None:
                 st.forget_saves(first_bad * self.block_size)
+
+    def _talk_between_steps(self) -> None:
+        """Reads the lookups' answers that came during the step, and sends the renewals schedule() chose
+        (_renew), so that schedule() makes no system call of kvpool's when it can be helped. vLLM runs
+        this before it hands the step's outputs to its output thread; in schedule(), right after, any
+        system call let that thread take the GIL, and each took 1.5-2 ms at concurrency 8
+        (bench/results/c8-step-trace-2026-12-04.txt) where the same call took 0.01-0.06 ms here."""
+        if self._sent:
+            read_answered([st.sent.lookup for st in self.reqs.values() if st.sent is not None])
+        for st in self._renewals:  # those still waiting (update_state_after_alloc clears `asked`)
+            if st.asked is not None and st.asked.renewing and self.reqs.get(st.request.request_id) is st:
+                self._send_ahead(st, st.asked.computed, "lookups_renewed")
+        self._renewals.clear()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)
