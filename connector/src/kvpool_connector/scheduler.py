@@ -265,12 +265,12 @@ class KVPoolScheduler:
         return self._steps - asked.step < REASK_STEPS and self._clock() - asked.at < REASK_SECONDS
 
     def _renew(self, st: _ReqState, asked: _Asked) -> bool:
-        """Whether a waiting request's aged-out answer stands one more step: its renewal is sent as this
-        step ends (update_connector_output), answered during the next step, read as that one ends, and
-        used in the schedule() after it. Asking again here was a round trip inside schedule() to a
-        sidecar that had been idle through a long step (3-5.5 ms on a 2-core VM). It stands once: a
-        renewal that could not be sent, or whose answer was not in its socket as the step after it
-        ended, is asked or read in schedule(), as before."""
+        """Whether a waiting request's aged-out answer stands: two steps more, while its renewal is sent
+        as this step ends (update_connector_output), answered during the next step, and read as that
+        one ends, for the schedule() after it. Asking again here was a round trip inside schedule() to
+        a sidecar that had been idle through a long step (3-5.5 ms on a 2-core VM). A renewal that
+        could not be sent, or whose answer was not in its socket as the step after it ended, is asked
+        or read in schedule(), as before."""
         if asked.renewing:  # its renewal was sent ahead unless nothing is out: read it, or ask
             return st.sent is not None and not st.sent.lookup.answered and self._steps == st.sent.step
         asked.renewing = True
