@@ -123,8 +123,8 @@ class Proc:
 
 
 def spawn(argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
-    f = log.open("wb")
-    popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    with log.open("wb") as f:  # the child writes to its own copy of the descriptor
+        popen = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     return Proc(popen, log)
 
 

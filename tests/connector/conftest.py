@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,3 +24,11 @@ def sidecar(sidecar_factory) -> Iterator[tuple[str, SidecarClient]]:
     client = SidecarClient(proc.info["url"], timeout=5)
     yield proc.info["url"], client
     client.close()
+
+
+@pytest.fixture(autouse=True)
+def made_schedulers_shut_down() -> Iterator[None]:
+    """The schedulers a test made with schedkit.make_scheduler shut down when it ends."""
+    yield
+    if (schedkit := sys.modules.get("schedkit")) is not None:
+        schedkit.shut_down_made()

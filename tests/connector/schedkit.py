@@ -5,6 +5,7 @@ chunks into the sidecar under the keys the engine would use."""
 
 from __future__ import annotations
 
+import gc
 import select
 import socket
 import sys
@@ -117,7 +118,20 @@ def make_scheduler(
         scheduler.encoder_cache_manager = EncoderCacheManager.create_manager(
             cache_size=encoder_budget, vllm_config=config
         )
+    MADE.append(scheduler)
     return scheduler
+
+
+# Schedulers made by the running test, shut down as it ends (conftest.py), as the engine core shuts its
+# own down: their connections to the sidecar are closed then, not by the garbage collector at some
+# later point, which warns about each and so makes socket calls inside another test's schedule().
+MADE: list[Scheduler] = []
+
+
+def shut_down_made() -> None:
+    """Shuts down the schedulers made since the last call."""
+    while MADE:
+        MADE.pop().shutdown()
 
 
 _ids = iter(range(1, 10_000))
@@ -235,6 +249,7 @@ def watch_schedule_for_socket_calls(scheduler: Scheduler) -> list[list[str]]:
     seen by a profile hook: every system call kvpool makes to its sidecar goes through one."""
     calls: list[list[str]] = []
     schedule = scheduler.schedule
+    gc.collect()  # garbage of earlier work is finalized now, not during a schedule() watched
 
     def watched(*args: Any, **kwargs: Any) -> SchedulerOutput:
         seen: list[str] = []

@@ -180,9 +180,9 @@ def test_a_hung_sidecar_holds_one_lookup_then_the_breaker_answers(tiny_model, si
         assert not [ld for so in outputs for ld in so.kv_connector_metadata.loads]
     finally:
         proc.popen.send_signal(signal.SIGCONT)
-    client = SidecarClient(proc.info["url"], timeout=5)
     tokens = prompt(96, 40)
-    store_chunks(s, client, tokens, 2)
+    with SidecarClient(proc.info["url"], timeout=5) as client:
+        store_chunks(s, client, tokens, 2)
     now[0] += BREAKER_SECONDS
     s.add_request(make_request(tokens))
     so = s.schedule()
