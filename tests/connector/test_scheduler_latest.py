@@ -325,24 +325,26 @@ def test_a_lookup_sent_on_arrival_stands_through_the_next_step_however_long_the_
 
 def test_a_longer_next_round_reuses_the_saved_tail_block_by_block(tiny_model, sidecar) -> None:
     """Round 2 of a conversation is round 1's prompt and more: its chunk where round 1's partial tail
-    was has another key, so the tail is found as a shorter span of that chunk and loaded."""
+    was has another key, so the tail is found as a shorter span of that chunk and loaded. The engine
+    that saved round 1 asks that chunk's tails with the lookup, in one round trip; another engine
+    guesses a miss at chunk 0 and asks for them in a second."""
     url, client = sidecar
     s = make_scheduler(tiny_model, url)
     round1 = prompt(90, 5)  # chunks [0,32) [32,64) and the tail [64,80) (80..90 is under a block)
     s.add_request(make_request(round1))
     save_like_a_worker(client, run_to_end(s))
     round2 = round1 + prompt(40, 6)  # 130 tokens: [64,96) is a full chunk now, with another key
-    s.add_request(make_request(round2))
-    counters: dict = {}
-    outputs = run_to_end(s, counters=counters)
-    assert first_computed(outputs) == 80  # not 64: the tail's block came back too
-    # vLLM computed none of it, so the lookup guessed a miss at chunk 0 and asked again for the tails
-    assert (counters["lookups"], counters.get("tail_lookups", 0)) == (1, 1)
-    (load,) = loads_of(outputs)
-    assert [(op.chunk_blocks, len(op.block_ids)) for op in load.chunks] == [(2, 2), (2, 2), (1, 1)]
-    saved = [(op.first_block, op.chunk_blocks) for sv in saves_of(outputs) for op in sv.chunks]
-    assert saved == [(0, 2), (0, 2)]  # [64,96) whole and the new tail [96,128): chunking stays
-    assert_empty(s)
+    for engine, round_trips in ((s, 1), (make_scheduler(tiny_model, url), 2)):
+        engine.add_request(make_request(round2))
+        counters: dict = {}
+        outputs = run_to_end(engine, counters=counters)
+        assert first_computed(outputs) == 80  # not 64: the tail's block came back too
+        assert (counters["lookups"], 1 + counters.get("tail_lookups", 0)) == (1, round_trips)
+        (load,) = loads_of(outputs)
+        assert [(op.chunk_blocks, len(op.block_ids)) for op in load.chunks] == [(2, 2), (2, 2), (1, 1)]
+        saved = [(op.first_block, op.chunk_blocks) for sv in saves_of(outputs) for op in sv.chunks]
+        assert saved == [(0, 2), (0, 2)]  # [64,96) whole and the new tail [96,128): chunking stays
+        assert_empty(engine)
 
 
 def test_a_miss_takes_one_round_trip_with_its_tails_and_a_next_round_vllm_cached_too(
@@ -380,8 +382,8 @@ def test_a_hybrid_models_miss_is_answered_on_arrival_with_its_windows_and_its_ne
     """A hybrid model (a full-attention group and a 32-token sliding window): its lookup is sent on
     arrival too, asking the tails of the chunk it most likely misses at with the windows each needs,
     so a miss makes no round trip inside schedule(). Before, every one of its lookups was made in
-    schedule(), and a miss was two round trips there. A next round's hit elsewhere asks for its
-    windows in a second round trip and loads as before."""
+    schedule(), and a miss was two round trips there. Its next round asks the chunk where round 1's
+    tail was, with the windows, in the same round trip; on another engine, in a second one."""
     url, client = sidecar
     s = make_scheduler(tiny_model, url, sliding_window=32)
     round1 = prompt(90, 80)
@@ -395,12 +397,14 @@ def test_a_hybrid_models_miss_is_answered_on_arrival_with_its_windows_and_its_ne
     save_like_a_worker(client, outputs)
     # the next round: [0,64) and round 1's tail [64,80) in the full-attention group, and the window
     # before 80 ([32,80)) in the windowed one
-    s.add_request(make_request(round1 + prompt(40, 81)))
-    counters.clear()
-    outputs = run_to_end(s, counters=counters)
-    assert first_computed(outputs) == 80
-    assert (counters["lookups"], counters["lookups_sent_on_arrival"], counters["tail_lookups"]) == (1, 1, 1)
-    assert_empty(s)
+    for engine, tail_lookups in ((s, 0), (make_scheduler(tiny_model, url, sliding_window=32), 1)):
+        engine.add_request(make_request(round1 + prompt(40, 81)))
+        counters.clear()
+        outputs = run_to_end(engine, counters=counters)
+        assert first_computed(outputs) == 80
+        assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (1, 1)
+        assert counters.get("tail_lookups", 0) == tail_lookups
+        assert_empty(engine)
 
 
 def test_a_tail_is_not_reused_when_the_next_prompt_differs_inside_it(tiny_model, sidecar) -> None:

@@ -48,6 +48,9 @@ SENT_STANDS_SECONDS = 10.0
 # Lookups sent on arrival and not read yet, at most: each holds a connection to the sidecar until
 # schedule() asks. A burst past it is asked in schedule(), as before.
 SENT_AT_MOST = 32
+# Chunks this engine saved or found stored, at most (about 5 MB): where a prompt most likely misses,
+# for the lookup to ask that chunk's shorter spans in the same round trip (_plan)
+STORED_LINKS_AT_MOST = 1 << 15
 
 
 @dataclass
@@ -65,14 +68,15 @@ class _Asked:
 @dataclass
 class _Plan:
     """A lookup's question: the prompt's spans up to `limit` and their links, the keys of their prefix,
-    and the shorter tails asked for in the same round trip, at the chunk `guess`."""
+    and the hits asked for in the same round trip where the prefix found ends at the chunk `guess`
+    (longest first, each needing its group of keys)."""
 
     spans: list[Span]
     links: list[bytes]
     keys: list[str]
     limit: int
     guess: int
-    tails: list[Span]
+    hits: list[list[Span]]
     groups: list[list[str]]
 
 
@@ -159,6 +163,8 @@ class KVPoolScheduler:
         self._unsaved: dict[bytes, tuple[int, float]] = {}
         self._sent = 0  # lookups sent ahead and not taken by a lookup yet
         self._renewals: list[_ReqState] = []  # waiting requests whose lookup is sent as the step ends
+        # links of chunks this engine saved or a lookup found, oldest first (STORED_LINKS_AT_MOST)
+        self._stored: dict[bytes, None] = {}
 
     # --- keys ------------------------------------------------------------------------------------
 
@@ -301,14 +307,28 @@ class KVPoolScheduler:
         # what all of them have
         keys = [k for link in links for k in self._prefix_keys(link)]
         # A miss's shorter tails are asked in the same round trip, for the chunk the prompt most likely
-        # misses at: the first one vLLM has not computed itself (all of a prompt with no reuse). A miss
-        # elsewhere asks for its tails again. A hybrid model's tails there need their windows too.
+        # misses at: the first one vLLM has not computed itself and this engine has not seen stored (a
+        # returning user's, where their last round's partial tail is). A miss elsewhere asks for its
+        # tails again. A hybrid model's hits there need their windows too.
         guess = next(i for i, s in enumerate(spans) if s[1] > num_computed_tokens)
+        while guess < len(spans) - 1 and links[guess] in self._stored:
+            guess += 1
         if self._windowed_hybrid:
-            tails, groups = self._windowed_tail_groups(st, spans, guess, num_computed_tokens, limit)
+            hits = self._windowed_candidates(spans, guess, num_computed_tokens, limit)
+            groups = self._window_needs(st, hits, guess, limit)
         else:
             tails, groups = self._tail_groups(st, spans[guess], num_computed_tokens, limit)
-        return _Plan(spans, links, keys, limit, guess, tails, groups)
+            hits = [[*spans[:guess], tail] for tail in tails]
+        return _Plan(spans, links, keys, limit, guess, hits, groups)
+
+    def _seen_stored(self, links: Sequence[bytes]) -> None:
+        """Remembers chunks as stored (saved by this engine, or found by a lookup), newest last."""
+        stored = self._stored
+        for link in links:
+            stored.pop(link, None)
+            stored[link] = None
+        while len(stored) > STORED_LINKS_AT_MOST:
+            del stored[next(iter(stored))]
 
     @property
     def _windowed_hybrid(self) -> bool:
@@ -371,14 +391,16 @@ class KVPoolScheduler:
             found_keys, found, tails_asked = self._ask(plan, sent)
             hits = self._hits(found_keys, per_chunk, links)
             hit_spans = spans[:hits]
-            if found_keys == plan.guess * per_chunk and tails_asked:  # the tails were asked with it
-                tail: Span | None = None if found is None else plan.tails[found]
+            tail: Span | None = None
+            if found_keys == plan.guess * per_chunk and tails_asked:  # the hits past it were asked with it
+                if found is not None:
+                    hit_spans = list(plan.hits[found])
+                elif self._windowed_hybrid:  # the prefix alone lacks its windows
+                    hit_spans = []
             elif self._windowed_hybrid:  # a hit elsewhere: its windows, in a second round trip
-                hit_spans, tail = self._windowed_hit(st, spans, hits, num_computed_tokens, limit), None
+                hit_spans = self._windowed_hit(st, spans, hits, num_computed_tokens, limit)
             elif hits < len(spans):
                 tail = self._saved_tail(st, spans[hits], num_computed_tokens, limit)
-            else:
-                tail = None
             if tail:
                 hit_spans.append(tail)
         except SidecarTimeout as e:
@@ -402,8 +424,11 @@ class KVPoolScheduler:
     def _hits(self, found_keys: int, per_chunk: int, links: list[bytes]) -> int:
         """Whole chunks found, from the keys found (each chunk is `per_chunk` keys)."""
         hits = max(0, min(found_keys // per_chunk, len(links)))
-        if self.events is not None and hits < len(links):  # an announced chunk may be gone
-            self.events.gone(links[hits], self._prefix_groups)
+        self._seen_stored(links[:hits])
+        if hits < len(links):
+            self._stored.pop(links[hits], None)
+            if self.events is not None:  # an announced chunk may be gone
+                self.events.gone(links[hits], self._prefix_groups)
         return hits
 
     def _keys(self, link: bytes, group: int) -> list[str]:
@@ -464,11 +489,7 @@ class KVPoolScheduler:
         so a hit is every full-attention group's chunks up to its end (the first `hits` spans, or a
         partial tail after them) and each windowed group's chunks that reach into that window. One
         lookup over every candidate end, longest first (vLLM's own hybrid lookup does the same)."""
-        tails = self._tails(spans[hits], num_computed_tokens, limit) if hits < len(spans) else []
-        candidates = [[*spans[:hits], tail] for tail in tails]
-        candidates += [
-            spans[:k] for k in range(hits, 0, -1) if min(spans[k - 1][1], limit) > num_computed_tokens
-        ]
+        candidates = self._windowed_candidates(spans, hits, num_computed_tokens, limit)
         needs = self._window_needs(st, candidates, hits, limit)
         if not needs:
             return []
@@ -476,15 +497,18 @@ class KVPoolScheduler:
         found = self.client.first_whole(needs)
         return [] if found is None else candidates[found]
 
-    def _windowed_tail_groups(
-        self, st: _ReqState, spans: list[Span], guess: int, num_computed_tokens: int, limit: int
-    ) -> tuple[list[Span], list[list[str]]]:
-        """`_tail_groups` for a hybrid model: what `_windowed_hit` asks where the prefix found ends at
-        the chunk `guess`, the first vLLM has not computed. Its only candidates there are that chunk's
-        tails (a shorter prefix ends inside what vLLM computed), so the lookup sent on arrival asks
-        them in its one round trip, as a dense model's does."""
-        tails = self._tails(spans[guess], num_computed_tokens, limit)
-        return tails, self._window_needs(st, [[*spans[:guess], tail] for tail in tails], guess, limit)
+    def _windowed_candidates(
+        self, spans: list[Span], hits: int, num_computed_tokens: int, limit: int
+    ) -> list[list[Span]]:
+        """The hits a hybrid model may have where the prefix found is `hits` chunks, longest first: that
+        prefix and a tail of the chunk after it, then shorter prefixes, down to what vLLM computed. The
+        lookup asks them in its own round trip for the chunk it guesses (_plan), as a dense model's
+        asks its tails."""
+        tails = self._tails(spans[hits], num_computed_tokens, limit) if hits < len(spans) else []
+        candidates = [[*spans[:hits], tail] for tail in tails]
+        return candidates + [
+            spans[:k] for k in range(hits, 0, -1) if min(spans[k - 1][1], limit) > num_computed_tokens
+        ]
 
     def _window_needs(
         self, st: _ReqState, candidates: list[list[Span]], hits: int, limit: int
@@ -677,6 +701,7 @@ class KVPoolScheduler:
         bs = self.block_size
         ops = []
         now = self._clock()
+        self._seen_stored(links)
         for s, link in zip(todo, links, strict=True):
             self._unsaved.pop(link, None)  # to the end: the dict stays in planning order
             self._unsaved[link] = (self._steps, now)
@@ -765,6 +790,7 @@ class KVPoolScheduler:
         generation in the seed makes every chunk saved before unreachable at once, on every key; the
         sidecar's LRU ages them out. Pods that did not reset keep their own keys."""
         self.seed = new_generation(self.seed)
+        self._stored.clear()
         if self.events is not None:
             self.events.reset()
         for st in self.reqs.values():
