@@ -376,6 +376,30 @@ def test_a_miss_takes_one_round_trip_with_its_tails_and_a_next_round_vllm_cached
     assert_empty(s)
 
 
+def test_a_new_users_lookup_sent_on_arrival_stands_when_vllm_has_the_shared_system_prompt(
+    tiny_model, sidecar
+) -> None:
+    """Every user's prompt starts with the same system prompt, which vLLM's own prefix cache keeps: a new
+    user's lookup, sent on arrival when vLLM had computed nothing, asked the tails of chunk 0 down to
+    its first block; asked with the system prompt's blocks computed, only the longer ones count, and
+    the answer stands. Before, the shorter list made it ask for the tails again, a second round trip
+    inside schedule() for every new user."""
+    url, client = sidecar
+    s = make_scheduler(tiny_model, url, prefix_caching=True, chunk_size=64)  # 4 blocks a chunk
+    system = prompt(32, 90)  # two blocks
+    first = system + prompt(56, 91)  # saves [0,64) with its block prefixes, and its tail [64,80)
+    s.add_request(make_request(first))
+    save_like_a_worker(client, run_to_end(s))
+    counters: dict = {}
+    s.add_request(make_request(system + prompt(56, 92)))
+    outputs = run_to_end(s, counters=counters)
+    # found on arrival: [0,32), the system prompt's block prefix of the first user's chunk; vLLM has it
+    assert first_computed(outputs) == 32 and not loads_of(outputs)
+    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (1, 1)
+    assert counters.get("tail_lookups", 0) == 0
+    assert_empty(s)
+
+
 def test_a_hybrid_models_miss_is_answered_on_arrival_with_its_windows_and_its_next_round_loads(
     tiny_model, sidecar
 ) -> None:

@@ -343,16 +343,20 @@ class KVPoolScheduler:
         CPU engine's prefill steps of 1-2 s made every request that waited one out ask again inside
         schedule(). (A chunk evicted since is a failed load, recomputed; one this engine is saving
         defers the lookup, in _look.)
-        The lookup sent on arrival asked the tails at the chunk a prompt with no local hit misses at;
-        where vLLM's local hit moved that chunk, only its prefix found stands (a chunk's keys do not
-        depend on how much vLLM computed)."""
+        The lookup sent on arrival asked the hits past the chunk it guessed for what vLLM had computed
+        then. Where vLLM's own hit has grown since (a shared system prompt's blocks, cached by vLLM)
+        those asked now are the first of them, longest first, and the longest found stands if it is
+        one of them; where it moved the guessed chunk, only the prefix found stands (a chunk's keys do
+        not depend on how much vLLM computed)."""
         if sent is not None:
             age = self._clock() - sent.at
             fresh = age < REASK_SECONDS or (self._steps <= sent.step + 1 and age < SENT_STANDS_SECONDS)
             if sent.plan.keys == plan.keys and fresh:
                 self.stats.add(sent.stat)
                 found_keys, found = sent.lookup.answer()
-                return found_keys, found, (sent.plan.guess, sent.plan.groups) == (plan.guess, plan.groups)
+                n = len(plan.groups)
+                asked = sent.plan.guess == plan.guess and sent.plan.groups[:n] == plan.groups
+                return found_keys, found if found is not None and found < n else None, asked
             sent.lookup.drop()
         at = plan.guess * self._per_chunk
         found_keys, found = self.client.lookup_then_first_whole(plan.keys, at, plan.groups)
