@@ -213,10 +213,13 @@ def returning_users(level: int) -> list[Turn]:
     return [t for s in range(seeds) for t in multi_round(9000 + 100 * level + s)]
 
 
+def returning(wave: Wave) -> bool:
+    """A wave of returning users only (rounds 2 and 3 of returning_users)."""
+    return all(r.round >= 2 for r in wave.requests)
+
+
 COMPARISONS = (
-    Comparison(
-        "returning users", FLOOR, KVPOOL, returning_users, lambda w: all(r.round >= 2 for r in w.requests)
-    ),
+    Comparison("returning users", FLOOR, KVPOOL, returning_users, returning),
     Comparison("no reuse", ALONE, KVPOOL, lambda lv: unique_prompts(NO_REUSE_WAVES[lv] * lv, seed=9500 + lv)),
     # the control: what the harness alone makes of two identical servers (prompts of their own)
     Comparison("no reuse", ALONE, ALONE_2, lambda lv: unique_prompts(CONTROL_WAVES[lv] * lv, seed=9700 + lv)),

@@ -26,7 +26,7 @@ from pathlib import Path
 from unittest import mock
 
 from bench.load_bench import ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, LEVELS
-from bench.paired_bench import DEV_MODE, HEAD, Wave, compare, returning_users, row, start_servers
+from bench.paired_bench import DEV_MODE, HEAD, compare, returning, returning_users, row, start_servers
 from bench.stats import load_note
 from bench.workloads_bench import arms
 from kvpool_demo.openai_driver import counters
@@ -100,8 +100,3 @@ def main() -> None:
             ]
         )
     )
-
-
-def returning(wave: Wave) -> bool:
-    """A wave of rounds 2 and 3 only: the users returning."""
-    return all(r.round >= 2 for r in wave.requests)
