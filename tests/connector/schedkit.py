@@ -60,16 +60,19 @@ def make_scheduler(
     tp_size: int = 1,
     kv_events: bool = False,
     sliding_window: int | None = None,
+    max_num_seqs: int = 16,
+    connector: bool = True,
     **extra: Any,
 ) -> Scheduler:
     """The scheduler as the engine core makes it. `encoder_budget` gives it the encoder compute and
     cache budget a vision model's config would (the tiny model has none), so requests with
     multimodal items get scheduled. With `sliding_window`, a hybrid model's KV cache (gpt-oss, Gemma
-    3): a full-attention layer and a layer with that window, each a group of vLLM's hybrid manager."""
+    3): a full-attention layer and a layer with that window, each a group of vLLM's hybrid manager.
+    Without `connector`, vLLM alone (a bench's baseline)."""
     extra.setdefault("sync_loads", False)  # the tests walk the load through its own steps, as on a GPU
     model_config = ModelConfig(model=str(model), dtype="float16", seed=42)
     scheduler_config = SchedulerConfig(
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,
         max_model_len=2048,
         enable_chunked_prefill=True,
@@ -90,7 +93,7 @@ def make_scheduler(
         scheduler_config=scheduler_config,
         model_config=model_config,
         cache_config=cache_config,
-        kv_transfer_config=kv_transfer,
+        kv_transfer_config=kv_transfer if connector else None,
         device_config=DeviceConfig("cpu"),
         lora_config=LoRAConfig(max_loras=2) if lora else None,
         # KV cache events on, published nowhere: a test reads the scheduler's publisher

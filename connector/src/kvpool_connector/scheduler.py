@@ -103,7 +103,8 @@ class _ReqState:
     block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved: set[Span] = field(default_factory=set)  # spans known to be in the sidecar
     # how many of its spans (_save_spec's list, in order of their ends) have been due: each is in
-    # `saved`, so a step looks only past them, not at every chunk of a long prompt again
+    # `saved` (or the request saves nothing), so a step looks only past them, not at every chunk of a
+    # long prompt again, and not at a request whose every chunk has been due (_saves_ahead)
     spans_due: int = 0
     prompt_spans: list[Span] | None = None  # its prompt's chunks (_prompt_spans), made once
     lookup: tuple[int, list[Span]] | None = None  # (num_computed_tokens asked, hit spans)
@@ -161,7 +162,13 @@ class KVPoolScheduler:
         # have not reported finished (link -> step, time planned; oldest first), which a lookup waits for.
         self._reading: dict[int, int] = {}
         self._unsaved: dict[bytes, tuple[int, float]] = {}
-        self._sent = 0  # lookups sent ahead and not taken by a lookup yet
+        # The requests whose lookup was sent ahead and not taken by a lookup yet, whose load was
+        # allocated in this schedule(), and whose load is in flight. A step looks at these, and at
+        # the requests it schedules, never at every tracked one: at a batch of 256 that walk was
+        # most of kvpool's time in a decode step (bench scheduler_batch).
+        self._sent: dict[str, _ReqState] = {}
+        self._loads: dict[str, _ReqState] = {}
+        self._loading: dict[str, _ReqState] = {}
         self._renewals: list[_ReqState] = []  # waiting requests whose lookup is sent as the step ends
         # links of chunks this engine saved or a lookup found, oldest first (STORED_LINKS_AT_MOST)
         self._stored: dict[bytes, None] = {}
@@ -218,7 +225,7 @@ class KVPoolScheduler:
 
     def _send_ahead(self, st: _ReqState, num_computed_tokens: int, stat: str) -> None:
         """Sends the request's lookup now, to be read when schedule() next asks for it."""
-        if st.sent is not None or self._sent >= SENT_AT_MOST or self._breaker.open:
+        if st.sent is not None or len(self._sent) >= SENT_AT_MOST or self._breaker.open:
             return
         if not self._load_allowed(st.request):
             return
@@ -231,7 +238,7 @@ class KVPoolScheduler:
             return
         if sent is not None:
             st.sent = _Sent(plan, num_computed_tokens, self._clock(), self._steps, sent, stat)
-            self._sent += 1
+            self._sent[st.request.request_id] = st
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -560,6 +567,7 @@ class KVPoolScheduler:
             return
         start, hit_spans = st.lookup
         st.load = (start, start + num_external_tokens)
+        self._loads[request.request_id] = st
         st.saved.update(hit_spans)  # already stored: never saved again
         if self.events is not None and (links := self._links(st, hit_spans)) is not None:
             for span, link in zip(hit_spans, links, strict=True):  # found: kvpool holds them
@@ -571,12 +579,15 @@ class KVPoolScheduler:
     def build_connector_meta(self, so: SchedulerOutput) -> KVPoolMetadata:
         self._steps += 1
         meta = KVPoolMetadata(idle=so.total_num_scheduled_tokens == 0, step=self._steps)
-        for waiting in self.reqs.values():  # loads allocated in this schedule()
-            if waiting.load is not None:
+        for req_id, waiting in self._loads.items():  # loads allocated in this schedule()
+            if waiting.load is not None and self.reqs.get(req_id) is waiting:
                 spec = self._load_spec(waiting)
                 meta.loads.append(spec)
                 waiting.loading = {b for op in spec.chunks for b in op.block_ids}
                 waiting.load = None
+                if waiting.loading:
+                    self._loading[req_id] = waiting
+        self._loads.clear()
         if self._reading:
             reused = [self._reading.pop(b) for b in self._handed_out(so, meta.loads) if b in self._reading]
             meta.fence = max(reused, default=0)
@@ -590,14 +601,13 @@ class KVPoolScheduler:
             if (st := self.reqs.get(req_id)) is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:  # after preemption: the full lists
+            if req_id in cached.resumed_req_ids or not st.block_ids:  # after preemption: the full lists
                 st.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                st.block_ids = [
-                    old + list(ids)
-                    for old, ids in zip(st.block_ids or [[]] * len(new_ids), new_ids, strict=True)
-                ]
-            computed[req_id] = cached.num_computed_tokens[i]
+                for old, ids in zip(st.block_ids, new_ids, strict=True):
+                    old += ids
+            if self._saves_ahead(st):
+                computed[req_id] = cached.num_computed_tokens[i]
         for req_id, num_computed in computed.items():
             st = self.reqs[req_id]
             end = num_computed + so.num_scheduled_tokens.get(req_id, 0)
@@ -686,12 +696,18 @@ class KVPoolScheduler:
             st.prompt_spans = prompt_spans(st.request.num_prompt_tokens, self.cfg, self.block_size)
         return st.prompt_spans
 
+    def _saves_ahead(self, st: _ReqState) -> bool:
+        """Whether a chunk of the request can still come due to be saved: one of its prompt's, or (with
+        save_decode_cache) of what it generates. A decode step plans nothing for the others."""
+        return self.cfg.save_decode_cache or st.prompt_spans is None or st.spans_due < len(st.prompt_spans)
+
     def _save_spec(self, st: _ReqState, computed_end: int, computed_before: int) -> SaveSpec | None:
         """Chunks whose tokens all have KV in the paged buffer once this step has run."""
         request = st.request
-        if not self._save_allowed(request):
-            return None
         spans = self._prompt_spans(st)
+        if not self._save_allowed(request):
+            st.spans_due = len(spans)  # it saves nothing
+            return None
         if self.cfg.save_decode_cache:
             spans = spans + decode_spans(request.num_tokens, request.num_prompt_tokens, self.cfg)
         due = st.spans_due
@@ -748,8 +764,9 @@ class KVPoolScheduler:
         # step it ran in
         ended = getattr(output, "finished_recving", None) or ()
         if self.sync_loads:
-            ended = [r for r, st in self.reqs.items() if st.loading]
+            ended = list(self._loading)
         for req_id in ended:
+            self._loading.pop(req_id, None)
             if (st := self.reqs.get(req_id)) is not None:
                 if st.loading & bad or req_id in failed:
                     st.load_failed = True
@@ -775,7 +792,7 @@ class KVPoolScheduler:
         system call let that thread take the GIL, and each took 1.5-2 ms at concurrency 8
         (bench/results/c8-step-trace-2026-12-04.txt) where the same call took 0.01-0.06 ms here."""
         if self._sent:
-            read_answered([st.sent.lookup for st in self.reqs.values() if st.sent is not None])
+            read_answered([st.sent.lookup for st in self._sent.values() if st.sent is not None])
         for st in self._renewals:  # those still waiting (update_state_after_alloc clears `asked`)
             if st.asked is not None and st.asked.renewing and self.reqs.get(st.request.request_id) is st:
                 self._send_ahead(st, st.asked.computed, "lookups_renewed")
@@ -785,6 +802,8 @@ class KVPoolScheduler:
         st = self.reqs.pop(request.request_id, None)
         if st is not None:
             self._forget_sent(st)
+            self._loads.pop(request.request_id, None)
+            self._loading.pop(request.request_id, None)
         # its blocks may be freed now: a save still reading one is fenced when vLLM hands it out again
         return False, None
 
@@ -814,7 +833,7 @@ class KVPoolScheduler:
     def _take_sent(self, st: _ReqState) -> _Sent | None:
         """The request's lookup sent on arrival, now the caller's to read or drop."""
         sent, st.sent = st.sent, None
-        self._sent -= sent is not None
+        self._sent.pop(st.request.request_id, None)
         return sent
 
     def _forget_sent(self, st: _ReqState) -> None:
