@@ -29,7 +29,6 @@ from unittest import mock
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("tests", "tests/connector")]
 import schedkit as sk  # noqa: E402
 from kvtest import start_sidecar  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 
 from bench.stats import bootstrap, load_note  # noqa: E402
 from kvpool_connector.connector import KVPoolConnector  # noqa: E402
@@ -42,21 +41,6 @@ PROMPT_TOKENS = 352
 CHUNK = 256
 HOOKS = ("build_connector_meta", "update_connector_output")
 _seeds = iter(range(1, 1 << 30))
-
-
-def _output(scheduler: Any, so: Any) -> ModelRunnerOutput:
-    """The workers' report of step `so`: a token a request (and, with kvpool, every save finished)."""
-    if so.kv_connector_metadata is not None:
-        return sk.model_output(scheduler, so)
-    req_ids = list(so.num_scheduled_tokens)
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=[[7] for _ in req_ids],
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=None,
-    )
 
 
 def decode_steps(model: Path, url: str, level: int, connector: bool) -> list[float]:
@@ -77,7 +61,7 @@ def decode_steps(model: Path, url: str, level: int, connector: bool) -> list[flo
             scheduler.add_request(sk.make_request(prompt, max_tokens=STEPS + 16))
         while True:  # prefill until every request decodes
             so = scheduler.schedule()
-            scheduler.update_from_output(so, _output(scheduler, so))
+            scheduler.update_from_output(so, sk.model_output(scheduler, so))
             if so.total_num_scheduled_tokens == level:
                 break
         seconds = []
@@ -85,7 +69,7 @@ def decode_steps(model: Path, url: str, level: int, connector: bool) -> list[flo
             t0 = time.perf_counter()
             so = scheduler.schedule()
             t1 = time.perf_counter()
-            output = _output(scheduler, so)
+            output = sk.model_output(scheduler, so)
             t2 = time.perf_counter()
             scheduler.update_from_output(so, output)
             seconds.append(time.perf_counter() - t2 + t1 - t0)

@@ -189,12 +189,12 @@ def model_output(
     """What the workers report for step `so`: a token per scheduled request; every load the step
     started finished in it, with `invalid` the blocks that failed; every
     save it planned finished too (the tests store them themselves: save_like_a_worker), unless
-    `saved_through` names an earlier step."""
+    `saved_through` names an earlier step. Without a connector (vLLM alone), the tokens only."""
     from vllm.v1.outputs import KVConnectorOutput
 
     from kvpool_connector.vllm_types import KVPoolSaveProgress
 
-    loaded = {ld.req_id for ld in so.kv_connector_metadata.loads if not ld.in_step}  # in-step: never reported
+    plan = so.kv_connector_metadata
     req_ids = list(so.num_scheduled_tokens)
     return ModelRunnerOutput(
         req_ids=req_ids,
@@ -203,11 +203,13 @@ def model_output(
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=None,
-        kv_connector_output=KVConnectorOutput(
-            finished_recving=loaded,
+        kv_connector_output=None
+        if plan is None
+        else KVConnectorOutput(
+            finished_recving={ld.req_id for ld in plan.loads if not ld.in_step},  # in-step: never reported
             invalid_block_ids=invalid or set(),
             kv_connector_worker_meta=KVPoolSaveProgress(
-                so.kv_connector_metadata.step if saved_through is None else saved_through
+                plan.step if saved_through is None else saved_through
             ),
         ),
     )
