@@ -325,8 +325,11 @@ def assert_empty(scheduler: Scheduler) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    assert isinstance(connector := scheduler.connector, KVPoolConnector)
-    assert connector.scheduler is not None and not connector.scheduler.reqs  # it forgot every request
+    connector = scheduler.connector
+    assert isinstance(connector, KVPoolConnector)
+    planner = connector.scheduler
+    assert planner is not None and not planner.reqs  # it forgot every request
+    assert not planner._sent and not planner._loads and not planner._loading  # and what it kept of them
 
 
 def loads_of(outputs: list) -> list:
