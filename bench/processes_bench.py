@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -42,7 +41,7 @@ from unittest import mock
 
 from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, LEVELS, Request, unique_prompts
 from bench.paired_bench import ALONE_2, DEV_MODE, Wave, lockstep, out_tokens_per_s, start_servers, wave_ratios
-from bench.stats import bootstrap, load_note
+from bench.stats import bootstrap, geomean, load_note
 from bench.workloads_bench import RESULTS, arms
 from kvpool_demo.localrun import HUGE_PAGES
 from kvpool_demo.tinymodel import BENCH, make_model
@@ -51,10 +50,6 @@ WAVES = {1: 16, 2: 8, 4: 6, 8: 4}
 SERVERS = (ALONE, KVPOOL, ALONE_2)
 ORDERS = list(itertools.permutations(SERVERS))  # set n's: each server starts first, and follows kvpool, alike
 SETS = len(ORDERS)
-
-
-def geomean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
 def median_ratio(base: list[Wave], arm: list[Wave]) -> float:

@@ -30,7 +30,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("tests", 
 import schedkit as sk  # noqa: E402
 from kvtest import start_sidecar  # noqa: E402
 
-from bench.stats import bootstrap, load_note  # noqa: E402
+from bench.stats import bootstrap, geomean, load_note  # noqa: E402
 from kvpool_connector.connector import KVPoolConnector  # noqa: E402
 from kvpool_demo.tinymodel import TINY, make_model  # noqa: E402
 
@@ -121,11 +121,11 @@ def main() -> None:
                     median = statistics.median(decode_steps(model, url, level, connector))
                     (kvpool if connector else alone).append(median)
             ratios = [k / a for k, a in zip(kvpool, alone, strict=True)]
-            low, high = bootstrap(ratios, _geomean)
+            low, high = bootstrap(ratios, geomean)
             diff = [1e6 * (k - a) for k, a in zip(kvpool, alone, strict=True)]
             print(
                 f"  {level:>3} running: vLLM alone {1e6 * statistics.median(alone):7.1f} µs, "
-                f"kvpool {1e6 * statistics.median(kvpool):7.1f} µs, kvpool / alone {_geomean(ratios):.3f} "
+                f"kvpool {1e6 * statistics.median(kvpool):7.1f} µs, kvpool / alone {geomean(ratios):.3f} "
                 f"({low:.3f}-{high:.3f}), kvpool - alone {statistics.median(diff):+7.1f} µs "
                 f"({min(diff):+.1f} to {max(diff):+.1f})",
                 flush=True,
@@ -143,7 +143,3 @@ def main() -> None:
     finally:
         sidecar.stop()
     print(f"({load_note()})")
-
-
-def _geomean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs))

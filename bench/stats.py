@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import statistics
@@ -28,6 +29,11 @@ def bootstrap(
     rng = random.Random(seed)
     values = sorted(stat(rng.choices(items, k=len(items))) for _ in range(n))
     return values[int(0.025 * n)], values[int(0.975 * n)]
+
+
+def geomean(xs: list[float]) -> float:
+    """The geometric mean: the mean of ratios to a baseline."""
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
 @dataclass(frozen=True)
