@@ -601,7 +601,8 @@ class KVPoolScheduler:
             if (st := self.reqs.get(req_id)) is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids or not st.block_ids:  # after preemption: the full lists
+            # after preemption, or with none kept yet: the full lists
+            if req_id in cached.resumed_req_ids or not st.block_ids:
                 st.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
                 for old, ids in zip(st.block_ids, new_ids, strict=True):
