@@ -580,13 +580,12 @@ class KVPoolScheduler:
         self._steps += 1
         meta = KVPoolMetadata(idle=so.total_num_scheduled_tokens == 0, step=self._steps)
         for req_id, waiting in self._loads.items():  # loads allocated in this schedule()
-            if waiting.load is not None and self.reqs.get(req_id) is waiting:
-                spec = self._load_spec(waiting)
-                meta.loads.append(spec)
-                waiting.loading = {b for op in spec.chunks for b in op.block_ids}
-                waiting.load = None
-                if waiting.loading:
-                    self._loading[req_id] = waiting
+            spec = self._load_spec(waiting)
+            meta.loads.append(spec)
+            waiting.loading = {b for op in spec.chunks for b in op.block_ids}
+            waiting.load = None
+            if waiting.loading:
+                self._loading[req_id] = waiting
         self._loads.clear()
         if self._reading:
             reused = [self._reading.pop(b) for b in self._handed_out(so, meta.loads) if b in self._reading]
