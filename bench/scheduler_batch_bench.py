@@ -59,11 +59,13 @@ def decode_steps(model: Path, url: str, level: int, connector: bool) -> list[flo
         for _ in range(level):
             prompt = sk.prompt(PROMPT_TOKENS, next(_seeds))
             scheduler.add_request(sk.make_request(prompt, max_tokens=STEPS + 16))
-        while True:  # prefill until every request decodes
+        for _ in range(level + 64):  # prefill until every request decodes (8,192 tokens a step)
             so = scheduler.schedule()
             scheduler.update_from_output(so, sk.model_output(scheduler, so))
             if so.total_num_scheduled_tokens == level:
                 break
+        else:
+            raise RuntimeError(f"{level} requests did not all reach decoding")
         seconds = []
         for _ in range(STEPS):
             t0 = time.perf_counter()

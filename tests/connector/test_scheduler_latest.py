@@ -227,9 +227,13 @@ def test_a_decode_step_plans_nothing_for_requests_whose_chunks_have_all_been_due
     reqs.append(make_request(prompt(2 * CHUNK, 51), max_tokens=40, priority=1))
     for r in reqs:
         s.add_request(r)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):  # their prefill
+    for _ in range(32):  # their prefill (64 tokens a step), in a bounded number of steps
+        if all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs):
+            break
         so = s.schedule()
         s.update_from_output(so, model_output(s, so))
+    else:
+        raise AssertionError("the prefill did not finish in 32 steps")
     planner = s.connector.scheduler
     with mock.patch.object(planner, "_save_spec", wraps=planner._save_spec) as looked_at:
         for _ in range(4):  # decode steps of all six
