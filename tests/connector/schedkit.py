@@ -329,7 +329,7 @@ def assert_empty(scheduler: Scheduler) -> None:
     assert isinstance(connector, KVPoolConnector)
     planner = connector.scheduler
     assert planner is not None and not planner.reqs  # it forgot every request
-    assert not planner._sent and not planner._loads and not planner._loading  # and what it kept of them
+    assert not (planner._sent or planner._to_send or planner._loads or planner._loading)  # what it kept
 
 
 def loads_of(outputs: list) -> list:

@@ -300,24 +300,32 @@ def test_a_lookup_is_sent_as_vllm_receives_the_request_and_read_when_schedule_as
     assert_empty(s)
 
 
-def test_past_the_sent_lookups_bound_a_burst_is_asked_in_schedule(tiny_model, sidecar, monkeypatch) -> None:
-    """Each lookup sent on arrival holds a connection to the sidecar until schedule() reads it: a burst
-    sends SENT_AT_MOST, and the rest are asked in schedule(), as before. Every one finds its hit."""
+@pytest.mark.parametrize(("batched", "asked_in_schedule"), [(64, 0), (1024, 2)])
+def test_a_burst_past_the_sent_lookups_bound_is_sent_in_turn(
+    tiny_model, sidecar, monkeypatch, batched: int, asked_in_schedule: int
+) -> None:
+    """Each lookup sent on arrival holds a connection to the sidecar until schedule() reads it, so a
+    burst sends SENT_AT_MOST at once. The rest were each a round trip inside schedule(). They are now
+    sent in turn, oldest first, as those before them are read: as a step ends, and behind the round
+    trip of one that schedule() reached first. Where a step takes a few requests, schedule() asks none
+    itself; where it takes the whole burst, one lookup in each SENT_AT_MOST + 1. Every hit is found."""
     from kvpool_connector import scheduler as kvpool_scheduler
 
     monkeypatch.setattr(kvpool_scheduler, "SENT_AT_MOST", 2)
     url, client = sidecar
-    s = make_scheduler(tiny_model, url)
-    prompts = [prompt(96, 40 + i) for i in range(3)]
-    for tokens in prompts:
+    s = make_scheduler(tiny_model, url, batched=batched)
+    prompts = [prompt(96, 40 + i) for i in range(6)]
+    for tokens in prompts[::2]:  # half of them stored, half new
         store_chunks(s, client, tokens, 2)
     requests = [make_request(tokens) for tokens in prompts]
     for r in requests:
         s.add_request(r)
     counters: dict = {}
     outputs = run_to_end(s, counters=counters)
-    assert [first_computed(outputs, r.request_id) for r in requests] == [64, 64, 64]
-    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (3, 2)
+    assert [first_computed(outputs, r.request_id) for r in requests] == [64, 0] * 3
+    sent_ahead = counters["lookups_sent_on_arrival"] + counters.get("lookups_sent_in_turn", 0)
+    assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (6, 2)
+    assert counters["lookups"] - sent_ahead == asked_in_schedule
     assert_empty(s)
 
 

@@ -42,6 +42,11 @@ STATS = (
         "trip off the scheduler)",
     ),
     Stat(
+        "lookups_sent_in_turn",
+        "Lookups of a burst of arrivals past the 32 sent on arrival, sent as those before them were "
+        "read (as a step ended, or when schedule() reached the burst)",
+    ),
+    Stat(
         "lookups_renewed",
         "Lookups of a waiting request whose last answer aged out, sent at a step's end and read in the "
         "next schedule() (the round trip off the scheduler)",

@@ -45,8 +45,8 @@ SAVE_WAIT_SECONDS = 1.0
 # A lookup sent on arrival stands through the step after the one running at arrival, however long
 # (a CPU engine's prefill takes seconds), but never past this: an engine paused between steps.
 SENT_STANDS_SECONDS = 10.0
-# Lookups sent on arrival and not read yet, at most: each holds a connection to the sidecar until
-# schedule() asks. A burst past it is asked in schedule(), as before.
+# Lookups sent ahead and not read yet, at most: each holds a connection to the sidecar until
+# schedule() asks. A burst past it waits its turn (_send_in_turn).
 SENT_AT_MOST = 32
 # Chunks this engine saved or found stored, at most (about 5 MB): where a prompt most likely misses,
 # for the lookup to ask that chunk's shorter spans in the same round trip (_plan)
@@ -170,6 +170,8 @@ class KVPoolScheduler:
         self._loads: dict[str, _ReqState] = {}
         self._loading: dict[str, _ReqState] = {}
         self._renewals: list[_ReqState] = []  # waiting requests whose lookup is sent as the step ends
+        # requests that arrived while SENT_AT_MOST lookups waited unread, oldest first, never asked
+        self._to_send: dict[str, _ReqState] = {}
         # links of chunks this engine saved or a lookup found, oldest first (STORED_LINKS_AT_MOST)
         self._stored: dict[bytes, None] = {}
 
@@ -220,25 +222,45 @@ class KVPoolScheduler:
     def track(self, request: Request) -> None:
         """Starts tracking a request when vLLM receives it (so it saves even if never looked up), and
         sends its lookup: the sidecar answers while vLLM finishes the step it is running (or while it
-        is paused), and the lookup in schedule() reads the answer instead of making the round trip."""
-        self._send_ahead(self._state(request), 0, "lookups_sent_on_arrival")
+        is paused), and the lookup in schedule() reads the answer instead of making the round trip.
+        Behind a burst, it waits its turn (_send_in_turn)."""
+        st = self._state(request)
+        if self._to_send or len(self._sent) >= SENT_AT_MOST:
+            self._to_send[request.request_id] = st
+        else:
+            self._send_ahead(st, 0, "lookups_sent_on_arrival")
 
-    def _send_ahead(self, st: _ReqState, num_computed_tokens: int, stat: str) -> None:
-        """Sends the request's lookup now, to be read when schedule() next asks for it."""
+    def _send_in_turn(self) -> None:
+        """Sends the lookups of a burst of arrivals past SENT_AT_MOST, oldest first, as the lookups
+        sent before them are read: as a step ends, and after the round trip of one schedule() reached
+        first (its answer first, the next ones' behind it). Each was a round trip inside schedule():
+        224 of a burst of 256 (bench scheduler_batch); now the next requests' answers come while
+        schedule() works."""
+        while self._to_send and len(self._sent) < SENT_AT_MOST:
+            st = self._to_send.pop(next(iter(self._to_send)))
+            if not self._send_ahead(st, 0, "lookups_sent_in_turn"):
+                return  # the rest are asked in schedule()
+
+    def _send_ahead(self, st: _ReqState, num_computed_tokens: int, stat: str) -> bool:
+        """Sends the request's lookup now, to be read when schedule() next asks for it. False where it
+        could not be sent (the lookups waiting unread are at their cap, the breaker is open, the
+        sidecar did not take it); True where nothing needed asking, too."""
         if st.sent is not None or len(self._sent) >= SENT_AT_MOST or self._breaker.open:
-            return
+            return False
         if not self._load_allowed(st.request):
-            return
+            return True
         plan = self._plan(st, st.request, num_computed_tokens)
         if not isinstance(plan, _Plan):
-            return
+            return True
         try:
             sent = self.client.send_lookup(plan.keys, plan.guess * self._per_chunk, plan.groups)
         except SidecarError:  # asked again, in schedule()
-            return
-        if sent is not None:
-            st.sent = _Sent(plan, num_computed_tokens, self._clock(), self._steps, sent, stat)
-            self._sent[st.request.request_id] = st
+            return False
+        if sent is None:  # control over HTTP: nothing is sent ahead
+            return False
+        st.sent = _Sent(plan, num_computed_tokens, self._clock(), self._steps, sent, stat)
+        self._sent[st.request.request_id] = st
+        return True
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -253,6 +275,7 @@ class KVPoolScheduler:
     ) -> tuple[int | None, bool]:
         st = self._state(request)
         st.lookup = None
+        in_turn = self._to_send.pop(request.request_id, None) is not None
         if st.load_failed or not self._load_allowed(request):
             return 0, False
         asked = st.asked
@@ -265,6 +288,8 @@ class KVPoolScheduler:
             now = st.sent.at if st.sent is not None else self._clock()
             started = time.perf_counter()  # what kvpool costs vLLM's scheduler, hit or miss
             found, load_async = self._lookup(st, request, num_computed_tokens)
+            if in_turn:  # schedule() reached a burst's lookups not sent yet: the next ones go now
+                self._send_in_turn()
             self.stats.add("lookup_seconds", time.perf_counter() - started)
             if found is None:  # ask again next step, once the save it waits for has finished
                 return None, False
@@ -799,11 +824,13 @@ class KVPoolScheduler:
             if st.asked is not None and st.asked.renewing and self.reqs.get(st.request.request_id) is st:
                 self._send_ahead(st, st.asked.computed, "lookups_renewed")
         self._renewals.clear()
+        self._send_in_turn()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)
         if st is not None:
             self._forget_sent(st)
+            self._to_send.pop(request.request_id, None)
             self._loads.pop(request.request_id, None)
             self._loading.pop(request.request_id, None)
         # its blocks may be freed now: a save still reading one is fenced when vLLM hands it out again
