@@ -8,13 +8,18 @@ their chunks are saved, as a worker reports), then STEPS decode steps are timed:
 update_from_output(), the engine core's part of a step (the worker's output is made outside it).
 ROUNDS pairs of fresh schedulers, the order alternating; per pair the ratio of the median steps,
 their geometric mean with a 95% bootstrap interval over the pairs, and kvpool's difference in µs.
-Then one kvpool scheduler a level with kvpool's two per-step hooks timed inside its steps.
+Then one kvpool scheduler a level with kvpool's two per-step hooks timed inside its steps. Last, a
+burst: that many unique prompts arrive at once (`vllm bench serve`'s default rate, every request at
+once), and the engine core's time from their add_request() through the step in which all of them
+decode is timed, ROUNDS pairs, with the lookups kvpool asked inside schedule() (a round trip each).
 Run: `PYTHONPATH=.:demo/src .venv-vllm-latest/bin/python -m bench scheduler_batch` (vLLM 0.33's scheduler,
 the newest; `.venv` runs it on 0.32's), about 2 minutes on 2 cores.
 """
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import statistics
 import sys
@@ -29,12 +34,14 @@ from unittest import mock
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / p) for p in ("tests", "tests/connector")]
 import schedkit as sk  # noqa: E402
 from kvtest import start_sidecar  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from bench.stats import bootstrap, geomean, load_note  # noqa: E402
 from kvpool_connector.connector import KVPoolConnector  # noqa: E402
 from kvpool_demo.tinymodel import TINY, make_model  # noqa: E402
 
 LEVELS = (1, 8, 64, 256)
+BURSTS = (64, 256)
 ROUNDS = 10
 STEPS = 200
 PROMPT_TOKENS = 352
@@ -43,9 +50,9 @@ HOOKS = ("build_connector_meta", "update_connector_output")
 _seeds = iter(range(1, 1 << 30))
 
 
-def decode_steps(model: Path, url: str, level: int, connector: bool) -> list[float]:
-    """Seconds of each of STEPS decode steps' schedule() and update_from_output(), `level` running."""
-    scheduler = sk.make_scheduler(
+def make_scheduler(model: Path, url: str, level: int, connector: bool) -> Scheduler:
+    """A scheduler with room for `level` requests' prompts and STEPS tokens each, 8,192 tokens a step."""
+    return sk.make_scheduler(
         model,
         url,
         num_blocks=level * math.ceil((PROMPT_TOKENS + STEPS + 16) / sk.BS) + 16,
@@ -55,17 +62,65 @@ def decode_steps(model: Path, url: str, level: int, connector: bool) -> list[flo
         connector=connector,
         chunk_size=CHUNK,
     )
+
+
+def prefill(scheduler: Scheduler, level: int, counters: dict[str, float] | None = None) -> float:
+    """Steps until all `level` requests decode; the seconds of its schedule() and update_from_output()
+    calls. `counters` sums kvpool's counters as the engine reports them."""
+    seconds = 0.0
+    for _ in range(level + 64):  # bounded: 8,192 tokens a step
+        t0 = time.perf_counter()
+        so = scheduler.schedule()
+        t1 = time.perf_counter()
+        output = sk.model_output(scheduler, so)
+        t2 = time.perf_counter()
+        engine_outputs = scheduler.update_from_output(so, output)
+        seconds += time.perf_counter() - t2 + t1 - t0
+        if counters is not None:
+            sk.add_counters(counters, engine_outputs)
+        if so.total_num_scheduled_tokens == level:
+            return seconds
+    raise RuntimeError(f"{level} requests did not all reach decoding")
+
+
+def arrivals(scheduler: Scheduler, level: int) -> float:
+    """Adds `level` requests with unique prompts at once; the seconds of the add_request() calls."""
+    requests = [
+        sk.make_request(sk.prompt(PROMPT_TOKENS, next(_seeds)), max_tokens=STEPS + 16) for _ in range(level)
+    ]
+    t0 = time.perf_counter()
+    for request in requests:
+        scheduler.add_request(request)
+    return time.perf_counter() - t0
+
+
+def burst(model: Path, url: str, level: int, in_schedule: list[float], connector: bool) -> float:
+    """Seconds of the engine core's part from `level` arrivals at once through the step in which all
+    of them decode. With kvpool, adds to `in_schedule` how many of its lookups were round trips
+    inside schedule() (not sent ahead)."""
+    scheduler = make_scheduler(model, url, level, connector)
     try:
-        for _ in range(level):
-            prompt = sk.prompt(PROMPT_TOKENS, next(_seeds))
-            scheduler.add_request(sk.make_request(prompt, max_tokens=STEPS + 16))
-        for _ in range(level + 64):  # prefill until every request decodes (8,192 tokens a step)
-            so = scheduler.schedule()
-            scheduler.update_from_output(so, sk.model_output(scheduler, so))
-            if so.total_num_scheduled_tokens == level:
-                break
-        else:
-            raise RuntimeError(f"{level} requests did not all reach decoding")
+        counters: dict[str, float] = {}
+        gc.collect()  # the garbage of the schedulers before, not collected inside this one's burst
+        seconds = arrivals(scheduler, level) + prefill(scheduler, level, counters)
+    finally:
+        scheduler.shutdown()
+    if connector:
+        ahead = counters["lookups_sent_on_arrival"] + counters.get("lookups_sent_in_turn", 0)
+        in_schedule.append(counters["lookups"] - ahead)
+    return seconds
+
+
+def median_step(model: Path, url: str, level: int, connector: bool) -> float:
+    return statistics.median(decode_steps(model, url, level, connector))
+
+
+def decode_steps(model: Path, url: str, level: int, connector: bool) -> list[float]:
+    """Seconds of each of STEPS decode steps' schedule() and update_from_output(), `level` running."""
+    scheduler = make_scheduler(model, url, level, connector)
+    try:
+        arrivals(scheduler, level)
+        prefill(scheduler, level)
         seconds = []
         for _ in range(STEPS):
             t0 = time.perf_counter()
@@ -103,6 +158,62 @@ def hooks_timed() -> Iterator[dict[str, list[float]]]:
         yield times
 
 
+def pairs(measure: Callable[[bool], float]) -> tuple[list[float], list[float], tuple[float, float, float]]:
+    """ROUNDS pairs of `measure(connector)`, the order alternating: vLLM alone's, kvpool's, and the
+    geometric mean of the pairs' ratios with its 95% bootstrap interval."""
+    alone: list[float] = []
+    kvpool: list[float] = []
+    for r in range(ROUNDS):
+        for connector in (r % 2 == 1, r % 2 == 0):
+            (kvpool if connector else alone).append(measure(connector))
+    ratios = [k / a for k, a in zip(kvpool, alone, strict=True)]
+    return alone, kvpool, (geomean(ratios), *bootstrap(ratios, geomean))
+
+
+def decode_levels(model: Path, url: str) -> None:
+    print(
+        f"per decode step, schedule() + update_from_output(), median of {STEPS} steps a scheduler; "
+        f"{ROUNDS} pairs a level, order alternating; geometric mean of the pairs' ratios (95% bootstrap)"
+    )
+    for level in LEVELS:
+        alone, kvpool, (ratio, low, high) = pairs(functools.partial(median_step, model, url, level))
+        diff = [1e6 * (k - a) for k, a in zip(kvpool, alone, strict=True)]
+        print(
+            f"  {level:>3} running: vLLM alone {1e6 * statistics.median(alone):7.1f} µs, "
+            f"kvpool {1e6 * statistics.median(kvpool):7.1f} µs, kvpool / alone {ratio:.3f} "
+            f"({low:.3f}-{high:.3f}), kvpool - alone {statistics.median(diff):+7.1f} µs "
+            f"({min(diff):+.1f} to {max(diff):+.1f})",
+            flush=True,
+        )
+    print("kvpool's hooks inside a decode step, median µs (one scheduler a level)")
+    for level in LEVELS:
+        with hooks_timed() as times:
+            decode_steps(model, url, level, True)
+        steps = {name: times[name][-STEPS:] for name in HOOKS}
+        print(
+            f"  {level:>3} running: "
+            + ", ".join(f"{name} {1e6 * statistics.median(t):.1f}" for name, t in steps.items()),
+            flush=True,
+        )
+
+
+def bursts(model: Path, url: str) -> None:
+    print(
+        "a burst of arrivals: add_request() of each, then schedule() + update_from_output() until all "
+        f"decode; {ROUNDS} pairs a level, order alternating"
+    )
+    for level in BURSTS:
+        in_schedule: list[float] = []  # kvpool's lookups that were round trips inside schedule()
+        alone, kvpool, (ratio, low, high) = pairs(functools.partial(burst, model, url, level, in_schedule))
+        print(
+            f"  {level:>3} at once: vLLM alone {1e3 * statistics.median(alone):6.1f} ms, "
+            f"kvpool {1e3 * statistics.median(kvpool):6.1f} ms, kvpool / alone {ratio:.3f} "
+            f"({low:.3f}-{high:.3f}); kvpool's lookups asked inside schedule(): "
+            f"{min(in_schedule):.0f}-{max(in_schedule):.0f} of {level}",
+            flush=True,
+        )
+
+
 def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "tiny-llama", TINY)
@@ -111,37 +222,8 @@ def main() -> None:
     try:
         decode_steps(model, url, 8, True)  # warm up both arms' imports and the sidecar
         decode_steps(model, url, 8, False)
-        print(
-            f"per decode step, schedule() + update_from_output(), median of {STEPS} steps a scheduler; "
-            f"{ROUNDS} pairs a level, order alternating; geometric mean of the pairs' ratios (95% bootstrap)"
-        )
-        for level in LEVELS:
-            alone: list[float] = []
-            kvpool: list[float] = []
-            for r in range(ROUNDS):
-                for connector in (r % 2 == 1, r % 2 == 0):
-                    median = statistics.median(decode_steps(model, url, level, connector))
-                    (kvpool if connector else alone).append(median)
-            ratios = [k / a for k, a in zip(kvpool, alone, strict=True)]
-            low, high = bootstrap(ratios, geomean)
-            diff = [1e6 * (k - a) for k, a in zip(kvpool, alone, strict=True)]
-            print(
-                f"  {level:>3} running: vLLM alone {1e6 * statistics.median(alone):7.1f} µs, "
-                f"kvpool {1e6 * statistics.median(kvpool):7.1f} µs, kvpool / alone {geomean(ratios):.3f} "
-                f"({low:.3f}-{high:.3f}), kvpool - alone {statistics.median(diff):+7.1f} µs "
-                f"({min(diff):+.1f} to {max(diff):+.1f})",
-                flush=True,
-            )
-        print("kvpool's hooks inside a decode step, median µs (one scheduler a level)")
-        for level in LEVELS:
-            with hooks_timed() as times:
-                decode_steps(model, url, level, True)
-            steps = {name: times[name][-STEPS:] for name in HOOKS}
-            print(
-                f"  {level:>3} running: "
-                + ", ".join(f"{name} {1e6 * statistics.median(t):.1f}" for name, t in steps.items()),
-                flush=True,
-            )
+        decode_levels(model, url)
+        bursts(model, url)
     finally:
         sidecar.stop()
     print(f"({load_note()})")

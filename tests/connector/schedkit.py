@@ -6,6 +6,7 @@ chunks into the sidecar under the keys the engine would use."""
 from __future__ import annotations
 
 import gc
+import itertools
 import select
 import socket
 import sys
@@ -137,7 +138,7 @@ def shut_down_made() -> None:
         MADE.pop().shutdown()
 
 
-_ids = iter(range(1, 10_000))
+_ids = itertools.count(1)
 
 
 def make_request(
@@ -241,12 +242,18 @@ def run_to_end(
         assert isinstance(plan, KVPoolMetadata)
         failed = {b for ld in plan.loads for op in ld.chunks for b in op.block_ids}
         output = model_output(scheduler, so, invalid=failed if fail_loads else None)
-        for eco in scheduler.update_from_output(so, output).values():
-            stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
-            if counters is not None:  # the connector's counters, as KVPoolStats.to_dict() gave them
-                for name, value in (stats or {}).items():
-                    counters[name] = counters.get(name, 0) + value
+        engine_outputs = scheduler.update_from_output(so, output)
+        if counters is not None:
+            add_counters(counters, engine_outputs)
     raise AssertionError("requests did not finish")
+
+
+def add_counters(counters: dict[str, Any], engine_outputs: dict[int, Any]) -> None:
+    """Adds the connector's counters of one step, as the engine reports them (KVPoolStats.to_dict())."""
+    for eco in engine_outputs.values():
+        stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
+        for name, value in (stats or {}).items():
+            counters[name] = counters.get(name, 0) + value
 
 
 def watch_schedule_for_socket_calls(scheduler: Scheduler) -> list[list[str]]:
