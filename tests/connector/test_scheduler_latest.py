@@ -4,6 +4,7 @@ real sidecar process: every request finishes and every block is freed."""
 from __future__ import annotations
 
 import itertools
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -326,6 +327,33 @@ def test_a_burst_past_the_sent_lookups_bound_is_sent_in_turn(
     sent_ahead = counters["lookups_sent_on_arrival"] + counters.get("lookups_sent_in_turn", 0)
     assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (6, 2)
     assert counters["lookups"] - sent_ahead == asked_in_schedule
+    assert_empty(s)
+
+
+def test_a_burst_reuses_the_connections_of_its_lookups(tiny_model, sidecar, monkeypatch) -> None:
+    """Each lookup sent ahead is on a connection of its own, back in the pool once its answer is read.
+    The pool kept 8 and closed the rest, so each turn of a burst reopened most of its connections to
+    the sidecar. It now keeps as many as the lookups sent ahead: a burst opens no more than those."""
+    from kvpool_connector import scheduler as kvpool_scheduler
+    from kvpool_sidecar import client as sidecar_client_module
+
+    monkeypatch.setattr(kvpool_scheduler, "SENT_AT_MOST", 12)
+    opened: list[tuple] = []
+    connect = sidecar_client_module.connect_unix
+
+    def counted(*args: Any) -> Any:
+        opened.append(args)
+        return connect(*args)
+
+    monkeypatch.setattr(sidecar_client_module, "connect_unix", counted)
+    url, _ = sidecar
+    s = make_scheduler(tiny_model, url, batched=1024)  # ten new requests a step
+    for i in range(30):
+        s.add_request(make_request(prompt(96, 60 + i), max_tokens=2))
+    counters: dict = {}
+    run_to_end(s, counters=counters)
+    assert counters["lookups"] == counters["lookups_sent_on_arrival"] + counters["lookups_sent_in_turn"] == 30
+    assert len(opened) <= 12
     assert_empty(s)
 
 

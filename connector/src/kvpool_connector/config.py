@@ -98,8 +98,14 @@ def load_config(extra: Mapping[str, Any] | None) -> tuple[KVPoolConfig, list[str
     return KVPoolConfig(**values), warnings
 
 
-def sidecar_client(cfg: KVPoolConfig) -> SidecarClient:
-    """The one way the connector reaches its pod's sidecar (scheduler, workers, the engine report)."""
+def sidecar_client(cfg: KVPoolConfig, control_connections: int = 8) -> SidecarClient:
+    """The one way the connector reaches its pod's sidecar (scheduler, workers, the engine report).
+    `control_connections`: the lookups its caller keeps in flight at once, each on a connection."""
     from kvpool_sidecar.client import SidecarClient
 
-    return SidecarClient(cfg.sidecar_url, timeout=cfg.timeout_ms / 1000, shm_path=cfg.shm_path)
+    return SidecarClient(
+        cfg.sidecar_url,
+        timeout=cfg.timeout_ms / 1000,
+        shm_path=cfg.shm_path,
+        control_connections=control_connections,
+    )

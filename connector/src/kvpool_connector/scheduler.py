@@ -153,7 +153,8 @@ class KVPoolScheduler:
         self._clock = clock
         self._steps = 0  # schedule() calls so far
         self._warn = RateLimitedLog(log)
-        self.client = sidecar_client(cfg)
+        # a connection for each lookup sent ahead, kept for the next: a burst sends SENT_AT_MOST at a time
+        self.client = sidecar_client(cfg, control_connections=SENT_AT_MOST)
         self.reqs: dict[str, _ReqState] = {}
         self.stats = Counts()
         self.events = events  # None: the engine publishes no KV cache events (nothing is tracked)

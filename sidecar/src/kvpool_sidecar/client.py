@@ -67,9 +67,11 @@ class SidecarClient:
         timeout: float = 1.0,
         shm_path: str | None = None,
         control: str = "auto",
+        control_connections: int = 8,
     ):
         """control: how arena control messages travel: "auto" (the Unix socket when it can be reached,
-        else HTTP), "socket" or "http"."""
+        else HTTP), "socket" or "http". control_connections: the idle control-socket connections kept
+        for reuse; a caller with more lookups in flight at once (send_lookup) keeps as many."""
         if control not in ("auto", "socket", "http"):
             raise ValueError(f"control must be auto, socket or http, not {control!r}")
         parsed = urllib.parse.urlsplit(url)
@@ -86,6 +88,7 @@ class SidecarClient:
         self._sock: ConnectionPool[socket.socket] | None = None
         self._sock_checked = control == "http"
         self._control_mode = control
+        self._control_connections = control_connections
         self._arena = MappedArena()
         self._token: str | None = None
 
@@ -150,7 +153,9 @@ class SidecarClient:
             path = self._socket_path()  # raises while the sidecar is unreachable: asked again next time
             self._sock_checked = True
             if path and os.path.exists(path):
-                self._sock = ConnectionPool(lambda: connect_unix(path, self.timeout), close_quietly)
+                self._sock = ConnectionPool(
+                    lambda: connect_unix(path, self.timeout), close_quietly, keep=self._control_connections
+                )
             elif self._control_mode == "socket":
                 raise SidecarUnavailable(f"no control socket at {path}")
         return self._sock
