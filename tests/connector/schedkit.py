@@ -248,6 +248,24 @@ def run_to_end(
     raise AssertionError("requests did not finish")
 
 
+def run_overlapped_to_end(scheduler: Scheduler, counters: dict[str, Any], max_steps: int = 500) -> list:
+    """run_to_end in the order the engine core steps with async scheduling (vLLM's default on a GPU):
+    each step is scheduled before the one before it has reported its output."""
+    outputs: list[SchedulerOutput] = []
+
+    def end(so: SchedulerOutput) -> None:
+        add_counters(counters, scheduler.update_from_output(so, model_output(scheduler, so)))
+
+    for _ in range(max_steps):
+        outputs.append(scheduler.schedule())
+        if len(outputs) > 1:
+            end(outputs[-2])
+        if not scheduler.has_unfinished_requests():
+            end(outputs[-1])
+            return outputs
+    raise AssertionError("requests did not finish")
+
+
 def add_counters(counters: dict[str, Any], engine_outputs: dict[int, Any]) -> None:
     """Adds the connector's counters of one step, as the engine reports them (KVPoolStats.to_dict())."""
     for eco in engine_outputs.values():

@@ -23,6 +23,7 @@ from schedkit import (  # noqa: E402
     make_scheduler,
     model_output,
     prompt,
+    run_overlapped_to_end,
     run_to_end,
     save_like_a_worker,
     saves_of,
@@ -301,20 +302,24 @@ def test_a_lookup_is_sent_as_vllm_receives_the_request_and_read_when_schedule_as
     assert_empty(s)
 
 
-@pytest.mark.parametrize(("batched", "asked_in_schedule"), [(64, 0), (1024, 2)])
+@pytest.mark.parametrize(
+    ("batched", "overlapped", "asked_in_schedule"), [(64, False, 0), (1024, False, 2), (64, True, 1)]
+)
 def test_a_burst_past_the_sent_lookups_bound_is_sent_in_turn(
-    tiny_model, sidecar, monkeypatch, batched: int, asked_in_schedule: int
+    tiny_model, sidecar, monkeypatch, batched: int, overlapped: bool, asked_in_schedule: int
 ) -> None:
     """Each lookup sent on arrival holds a connection to the sidecar until schedule() reads it, so a
     burst sends SENT_AT_MOST at once. The rest were each a round trip inside schedule(). They are now
     sent in turn, oldest first, as those before them are read: as a step ends, and behind the round
     trip of one that schedule() reached first. Where a step takes a few requests, schedule() asks none
-    itself; where it takes the whole burst, one lookup in each SENT_AT_MOST + 1. Every hit is found."""
+    itself; where it takes the whole burst, one lookup in each SENT_AT_MOST + 1. With async
+    scheduling the second step is scheduled before the first ends: one is asked there. Every hit is
+    found."""
     from kvpool_connector import scheduler as kvpool_scheduler
 
     monkeypatch.setattr(kvpool_scheduler, "SENT_AT_MOST", 2)
     url, client = sidecar
-    s = make_scheduler(tiny_model, url, batched=batched)
+    s = make_scheduler(tiny_model, url, batched=batched, async_scheduling=overlapped)
     prompts = [prompt(96, 40 + i) for i in range(6)]
     for tokens in prompts[::2]:  # half of them stored, half new
         store_chunks(s, client, tokens, 2)
@@ -322,7 +327,7 @@ def test_a_burst_past_the_sent_lookups_bound_is_sent_in_turn(
     for r in requests:
         s.add_request(r)
     counters: dict = {}
-    outputs = run_to_end(s, counters=counters)
+    outputs = run_overlapped_to_end(s, counters) if overlapped else run_to_end(s, counters=counters)
     assert [first_computed(outputs, r.request_id) for r in requests] == [64, 0] * 3
     sent_ahead = counters["lookups_sent_on_arrival"] + counters.get("lookups_sent_in_turn", 0)
     assert (counters["lookups"], counters["lookups_sent_on_arrival"]) == (6, 2)
