@@ -24,6 +24,8 @@ P3 = random_prompt(300, 512, seed=3)
 P4 = random_prompt(300, 512, seed=4)
 LIMIT = 1
 WARM_TOKENS = 576  # the prompt's last token is always recomputed; loads stop at its block
+# 40 prompts at once, past the 32 lookups sent ahead: the rest are sent in turn (two chunks each load)
+BURST = [random_prompt(160, 512, seed=100 + i) for i in range(40)]
 
 
 def _run(label: str, prompt: list[int], wait: Engine | None = None, **kw: Any) -> dict[str, Any]:
@@ -55,6 +57,8 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
             _run("killed", P1, e),
             _run("restarted_cold", P1, e),
             _run("restarted_warm", P1),
+            {"label": "burst_cold", "prompts": BURST, "max_tokens": 4},
+            {"label": "burst_warm", "prompts": BURST, "max_tokens": 4},
         ],
         scheduling_policy="priority",
     )
@@ -90,6 +94,8 @@ def story(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[st
         e.go("restarted_cold")
         s["restarted_cold"] = e.wait_done("restarted_cold")
         s["restarted_warm"] = e.wait_done("restarted_warm")
+        s["burst_cold"] = e.wait_done("burst_cold")
+        s["burst_warm"] = e.wait_done("burst_warm")
         e.finish()
         s["log"] = e.log.read_text(errors="replace")
     finally:
@@ -143,3 +149,14 @@ def test_killed_sidecar_is_a_miss_and_a_restarted_one_serves_again(story: dict[s
     assert _out(story["restarted_warm"])["num_cached_tokens"] == WARM_TOKENS
     _same(story["restarted_warm"], story["cold"])
     assert "Traceback" not in story["log"]
+
+
+def test_a_burst_past_the_lookups_sent_ahead_loads_every_prompt_and_changes_no_output(
+    story: dict[str, Any],
+) -> None:
+    """vLLM takes 40 prompts at once (LLM.generate): 32 lookups are sent on arrival, the rest in turn.
+    Every prompt sent again loads its two full chunks, and gives the tokens it gave cold."""
+    cold, warm = story["burst_cold"]["outputs"], story["burst_warm"]["outputs"]
+    assert [o["num_cached_tokens"] for o in cold] == [0] * len(BURST)
+    assert [o["num_cached_tokens"] for o in warm] == [128] * len(BURST)
+    assert [o["token_ids"] for o in warm] == [o["token_ids"] for o in cold]
