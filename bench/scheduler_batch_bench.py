@@ -106,8 +106,7 @@ def burst(model: Path, url: str, level: int, in_schedule: list[float], connector
     finally:
         scheduler.shutdown()
     if connector:
-        ahead = counters["lookups_sent_on_arrival"] + counters.get("lookups_sent_in_turn", 0)
-        in_schedule.append(counters["lookups"] - ahead)
+        in_schedule.append(sk.lookups_asked_in_schedule(counters))
     return seconds
 
 

@@ -274,6 +274,13 @@ def add_counters(counters: dict[str, Any], engine_outputs: dict[int, Any]) -> No
             counters[name] = counters.get(name, 0) + value
 
 
+def lookups_asked_in_schedule(counters: dict[str, Any]) -> int:
+    """Of the lookups counted, those that were round trips inside schedule(): not sent ahead (on
+    arrival, in turn behind a burst, or as a renewal at a step's end)."""
+    ahead = ("lookups_sent_on_arrival", "lookups_sent_in_turn", "lookups_renewed")
+    return int(counters.get("lookups", 0) - sum(counters.get(name, 0) for name in ahead))
+
+
 def watch_schedule_for_socket_calls(scheduler: Scheduler) -> list[list[str]]:
     """From now on, the socket and poll calls each schedule() makes (one list a call, in order),
     seen by a profile hook: every system call kvpool makes to its sidecar goes through one."""
