@@ -187,9 +187,10 @@ def namespace_of(scheduler: Scheduler):
 def model_output(
     scheduler: Scheduler, so, invalid: set[int] | None = None, saved_through: int | None = None
 ) -> ModelRunnerOutput:
-    """What the workers report for step `so`: a token per scheduled request; every load the step
-    started finished in it, with `invalid` the blocks that failed; every
-    save it planned finished too (the tests store them themselves: save_like_a_worker), unless
+    """What the workers report for step `so`: a token per scheduled request whose prompt is computed
+    (none for a prefill chunk short of the prompt's end: vLLM's model runner discards it); every load
+    the step started finished in it, with `invalid` the blocks that failed; every save it planned
+    finished too (the tests store them themselves: save_like_a_worker), unless
     `saved_through` names an earlier step. Without a connector (vLLM alone), the tokens only."""
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -200,7 +201,7 @@ def model_output(
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=[[7] for _ in req_ids],
+        sampled_token_ids=[[7] if _prompt_computed(scheduler, r) else [] for r in req_ids],
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=None,
@@ -214,6 +215,12 @@ def model_output(
             ),
         ),
     )
+
+
+def _prompt_computed(scheduler: Scheduler, req_id: str) -> bool:
+    """Whether the request's tokens are all computed once the step scheduled (schedule() counted them)."""
+    request = scheduler.requests.get(req_id)
+    return request is None or request.num_computed_tokens >= request.num_tokens
 
 
 def run_to_end(
