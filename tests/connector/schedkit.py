@@ -283,8 +283,8 @@ def add_counters(counters: dict[str, Any], engine_outputs: dict[int, Any]) -> No
 
 def lookups_asked_in_schedule(counters: dict[str, Any]) -> int:
     """Of the lookups counted, those that were round trips inside schedule(): not sent ahead (on
-    arrival, in turn behind a burst, or as a renewal at a step's end)."""
-    ahead = ("lookups_sent_on_arrival", "lookups_sent_in_turn", "lookups_renewed")
+    arrival, in turn behind a burst, as a renewal at a step's end, or again with another chunk's tails)."""
+    ahead = ("lookups_sent_on_arrival", "lookups_sent_in_turn", "lookups_renewed", "lookups_guessed_again")
     return int(counters.get("lookups", 0) - sum(counters.get(name, 0) for name in ahead))
 
 

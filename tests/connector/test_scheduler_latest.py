@@ -420,6 +420,44 @@ def test_a_longer_next_round_reuses_the_saved_tail_block_by_block(tiny_model, si
         assert_empty(engine)
 
 
+def test_a_returning_user_whose_chunks_another_engine_saved_is_asked_again_before_schedule(
+    tiny_model, sidecar
+) -> None:
+    """Round 2 of a conversation on an engine that did not serve round 1 (another pod saved it, as a
+    fleet's router sends most returning users): the lookup sent on arrival guessed a miss at chunk 0
+    and asked that chunk's tails. Its answer, read as a step ends while the request waits for room,
+    says the prefix ends at chunk 2, where round 1's partial tail is: it is sent again with that
+    chunk's tails there, and schedule() reads one answer. Before, schedule() asked for those tails in
+    a second round trip of its own."""
+    url, client = sidecar
+    other = make_scheduler(tiny_model, url)
+    round1 = prompt(90, 70)  # chunks [0,32) [32,64) and the tail [64,80), saved by the other engine
+    other.add_request(make_request(round1))
+    save_like_a_worker(client, run_to_end(other))
+    s = make_scheduler(tiny_model, url, num_blocks=16)  # room for the holder and the returning user
+    s.add_request(holder := make_request(prompt(160, 71), max_tokens=20))
+    returning = make_request(round1 + prompt(40, 72))
+
+    def arrives(step: int) -> None:
+        if step == 0:  # during the holder's first step: it waits for the step's token budget
+            s.add_request(returning)
+        answers(step)
+
+    answers = sidecar_answers_sent_lookups(s)
+    calls = watch_schedule_for_socket_calls(s)
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters, during_step=arrives)
+    assert first_computed(outputs, returning.request_id) == 80  # round 1's chunks and its tail's block
+    assert counters.get("tail_lookups", 0) == 0
+    assert counters["lookups_guessed_again"] == 1
+    assert lookups_asked_in_schedule(counters) == 0
+    # the first reads the holder's lookup, sent right before it: no step ran in between
+    assert [(i, c) for i, c in enumerate(calls) if c and i] == [], "schedule() called the sidecar"
+    assert holder.request_id not in s.connector.scheduler.reqs
+    assert_empty(s)
+    assert_empty(other)
+
+
 def test_a_miss_takes_one_round_trip_with_its_tails_and_a_next_round_vllm_cached_too(
     tiny_model, sidecar
 ) -> None:

@@ -47,6 +47,11 @@ STATS = (
         "read (as a step ended, or when schedule() reached the burst)",
     ),
     Stat(
+        "lookups_guessed_again",
+        "Lookups sent ahead whose answer, read as a step ended, found the prefix ending at another chunk "
+        "than the one whose tails they asked: sent again with that chunk's tails, read in schedule()",
+    ),
+    Stat(
         "lookups_renewed",
         "Lookups of a waiting request whose last answer aged out, sent at a step's end and read in the "
         "next schedule() (the round trip off the scheduler)",

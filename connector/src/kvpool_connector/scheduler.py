@@ -251,8 +251,9 @@ class KVPoolScheduler:
         if not self._load_allowed(st.request):
             return True
         plan = self._plan(st, st.request, num_computed_tokens)
-        if not isinstance(plan, _Plan):
-            return True
+        return self._send_plan(st, plan, num_computed_tokens, stat) if isinstance(plan, _Plan) else True
+
+    def _send_plan(self, st: _ReqState, plan: _Plan, num_computed_tokens: int, stat: str) -> bool:
         try:
             sent = self.client.send_lookup(plan.keys, plan.guess * self._per_chunk, plan.groups)
         except SidecarError:  # asked again, in schedule()
@@ -262,6 +263,29 @@ class KVPoolScheduler:
         st.sent = _Sent(plan, num_computed_tokens, self._clock(), self._steps, sent, stat)
         self._sent[st.request.request_id] = st
         return True
+
+    def _guess_again(self) -> None:
+        """Sends again, with the tails of the chunk where the prefix found ends, each lookup read ahead
+        whose answer says it ends elsewhere than the chunk whose tails it asked: another engine saved
+        the chunks (a router that does not follow prefixes sends most returning users to another pod
+        than their last round's), or they were evicted. schedule() then reads one answer; before, it
+        asked for those tails in a second round trip of its own (_saved_tail)."""
+        per_chunk = self._per_chunk
+        for st in list(self._sent.values()):
+            sent = st.sent
+            answer = sent.lookup.read_ahead_answer if sent is not None else None
+            if sent is None or answer is None:
+                continue
+            links = sent.plan.links
+            hits = max(0, min(answer[0] // per_chunk, len(links)))
+            if hits in (sent.plan.guess, len(links)):  # its tails were asked, or nothing missed
+                continue
+            self._seen_stored(links[:hits])  # what the next plan guesses from
+            self._stored.pop(links[hits], None)
+            plan = self._plan(st, st.request, sent.computed)
+            if isinstance(plan, _Plan) and plan.guess != sent.plan.guess:
+                self._forget_sent(st)
+                self._send_plan(st, plan, sent.computed, "lookups_guessed_again")
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -821,6 +845,7 @@ class KVPoolScheduler:
         (bench/results/c8-step-trace-2026-12-04.txt) where the same call took 0.01-0.06 ms here."""
         if self._sent:
             read_answered([st.sent.lookup for st in self._sent.values() if st.sent is not None])
+            self._guess_again()
         for st in self._renewals:  # those still waiting (update_state_after_alloc clears `asked`)
             if st.asked is not None and st.asked.renewing and self.reqs.get(st.request.request_id) is st:
                 self._send_ahead(st, st.asked.computed, "lookups_renewed")

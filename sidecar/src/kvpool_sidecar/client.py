@@ -383,6 +383,11 @@ class SentLookup:
         self._answer: tuple[int, int | None] | SidecarError | None = None
 
     @property
+    def read_ahead_answer(self) -> tuple[int, int | None] | None:
+        """The answer read ahead and not taken yet (answer() takes it), or None."""
+        return self._answer if isinstance(self._answer, tuple) else None
+
+    @property
     def answered(self) -> bool:
         """Whether its answer has been read from the socket (or failed to be)."""
         return self._answer is not None
