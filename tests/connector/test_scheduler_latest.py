@@ -458,6 +458,33 @@ def test_a_returning_user_whose_chunks_another_engine_saved_is_asked_again_befor
     assert_empty(other)
 
 
+def test_returning_users_asked_in_one_schedule_make_one_second_round_trip_between_them(
+    tiny_model, sidecar
+) -> None:
+    """Four returning users whose first rounds another engine saved arrive at once, and schedule() asks
+    each right away, no step between: the first one's answer misses where its tails were not asked,
+    and before that second round trip the others' answers, come already, are read and sent again with
+    the right chunk's tails. The sidecar answers them while the first waits; before, schedule() made
+    a second round trip for each of them as it reached it."""
+    url, client = sidecar
+    other = make_scheduler(tiny_model, url)
+    firsts = [prompt(90, 80 + i) for i in range(4)]  # chunks [0,32) [32,64), tails [64,80)
+    for tokens in firsts:
+        other.add_request(make_request(tokens))
+    save_like_a_worker(client, run_to_end(other))
+    s = make_scheduler(tiny_model, url)
+    returning = [make_request(tokens + prompt(40, 90 + i)) for i, tokens in enumerate(firsts)]
+    for request in returning:
+        s.add_request(request)
+    sidecar_answers_sent_lookups(s)(0)  # every answer is in its socket when schedule() asks
+    counters: dict = {}
+    outputs = run_to_end(s, counters=counters)
+    assert [first_computed(outputs, r.request_id) for r in returning] == [80] * 4
+    assert (counters.get("tail_lookups", 0), counters.get("lookups_guessed_again", 0)) == (1, 3)
+    assert_empty(s)
+    assert_empty(other)
+
+
 def test_a_miss_takes_one_round_trip_with_its_tails_and_a_next_round_vllm_cached_too(
     tiny_model, sidecar
 ) -> None:

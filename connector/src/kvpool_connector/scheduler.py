@@ -264,6 +264,13 @@ class KVPoolScheduler:
         self._sent[st.request.request_id] = st
         return True
 
+    def _read_ahead(self) -> None:
+        """Reads the answers of the lookups sent ahead that have come (one poll() that does not wait),
+        and sends again those that guessed the wrong chunk (_guess_again)."""
+        if self._sent:
+            read_answered([st.sent.lookup for st in self._sent.values() if st.sent is not None])
+            self._guess_again()
+
     def _guess_again(self) -> None:
         """Sends again, with the tails of the chunk where the prefix found ends, each lookup read ahead
         whose answer says it ends elsewhere than the chunk whose tails it asked: another engine saved
@@ -538,9 +545,18 @@ class KVPoolScheduler:
         tails, groups = self._tail_groups(st, missed, num_computed_tokens, limit)
         if not groups:
             return None
-        self.stats.add("tail_lookups")
-        found = self.client.first_whole(groups)
+        found = self._ask_tails(groups)
         return None if found is None else tails[found]
+
+    def _ask_tails(self, groups: list[list[str]]) -> int | None:
+        """A lookup's second round trip, inside schedule(): the first of `groups` stored whole. First,
+        the lookups sent ahead whose answers have come are read, and those that guessed the wrong chunk
+        too go again (_guess_again): the sidecar answers them while this one waits, where each was a
+        round trip of its own as vLLM reached it (a burst of returning users whose chunks another pod
+        saved: one second round trip, not one each)."""
+        self._read_ahead()
+        self.stats.add("tail_lookups")
+        return self.client.first_whole(groups)
 
     def _windowed_hit(
         self, st: _ReqState, spans: list[Span], hits: int, num_computed_tokens: int, limit: int
@@ -554,8 +570,7 @@ class KVPoolScheduler:
         needs = self._window_needs(st, candidates, hits, limit)
         if not needs:
             return []
-        self.stats.add("tail_lookups")
-        found = self.client.first_whole(needs)
+        found = self._ask_tails(needs)
         return [] if found is None else candidates[found]
 
     def _windowed_candidates(
@@ -843,9 +858,7 @@ class KVPoolScheduler:
         this before it hands the step's outputs to its output thread; in schedule(), right after, any
         system call let that thread take the GIL, and each took 1.5-2 ms at concurrency 8
         (bench/results/c8-step-trace-2026-12-04.txt) where the same call took 0.01-0.06 ms here."""
-        if self._sent:
-            read_answered([st.sent.lookup for st in self._sent.values() if st.sent is not None])
-            self._guess_again()
+        self._read_ahead()
         for st in self._renewals:  # those still waiting (update_state_after_alloc clears `asked`)
             if st.asked is not None and st.asked.renewing and self.reqs.get(st.request.request_id) is st:
                 self._send_ahead(st, st.asked.computed, "lookups_renewed")
