@@ -34,6 +34,9 @@ WARMUP = {"label": "warmup", "prompts": [random_prompt(100, 512, seed=22)], "max
 SHARED = random_prompt(8 * CHUNK + BLOCK, 512, seed=31)  # ends one block into a chunk
 FIRST = SHARED + random_prompt(CHUNK - BLOCK + 24, 512, seed=32)
 SECOND = SHARED + random_prompt(CHUNK - BLOCK + 24, 512, seed=33)
+# three users' first rounds: 3 chunks and a block, 8 tokens under the next; their second rounds, 40 more
+FIRST_ROUNDS = [random_prompt(3 * CHUNK + BLOCK + 8, 512, seed=40 + i) for i in range(3)]
+SECOND_ROUNDS = [p + random_prompt(40, 512, seed=50 + i) for i, p in enumerate(FIRST_ROUNDS)]
 
 
 @contextlib.contextmanager
@@ -86,6 +89,31 @@ def test_second_engine_loads_what_the_first_saved_through_redis(
     assert warm["outputs"][0]["num_cached_tokens"] == 576
     assert warm["outputs"][0]["token_ids"] == cold["outputs"][0]["token_ids"]
     assert warm["outputs"][0]["logprobs"] == cold["outputs"][0]["logprobs"]
+
+
+def test_returning_users_whose_first_rounds_the_other_engine_served_load_them_at_once(
+    tmp_path: Path, tiny_model: Path, redis: RedisServer
+) -> None:
+    """Three users' second rounds reach engine Y at once; X served their first rounds. Y has seen none
+    of their chunks stored, so each lookup guesses a miss at chunk 0 and asks that chunk's tails; the
+    prefixes run on to the first rounds' tails (a block into chunk 3). The first one asks for its tail
+    in a second round trip, and the others' lookups go again with chunk 3's tails meanwhile. Each loads
+    its first round's 224 tokens, with the reference's tokens."""
+    first = {"label": "first", "prompts": FIRST_ROUNDS, "max_tokens": 6}
+    second = {"label": "second", "prompts": SECOND_ROUNDS, "max_tokens": 6, "reset_prefix_cache": "engine"}
+    ref = {"label": "second-ref", "prompts": SECOND_ROUNDS, "max_tokens": 6, "cache_salt": "second"}
+    with two_pods(tmp_path, tiny_model, redis, [first], [second, ref]) as (x, y, b_client):
+        x.wait_done("first")
+        ns = tiny_namespace(tiny_model)
+        stored = [chunk_keys(ns, p[: 3 * CHUNK + BLOCK], 0) for p in FIRST_ROUNDS]  # 3 chunks and the tail
+        wait_until(
+            lambda: all(b_client.lookup(keys) == 4 for keys in stored), 60, "the first rounds in Redis"
+        )
+        y.go("second")
+        got, ref_out = (y.wait_done(label)["outputs"] for label in ("second", "second-ref"))
+    assert [o["num_cached_tokens"] for o in got] == [3 * CHUNK + BLOCK] * 3
+    for o, r in zip(got, ref_out, strict=True):
+        same_as_reference({"user": o, "user-ref": r}, "user")
 
 
 def test_a_prefix_shared_to_mid_chunk_loads_to_its_last_block_on_the_other_engine(
