@@ -8,12 +8,15 @@ their chunks are saved, as a worker reports), then STEPS decode steps are timed:
 update_from_output(), the engine core's part of a step (the worker's output is made outside it).
 ROUNDS pairs of fresh schedulers, the order alternating; per pair the ratio of the median steps,
 their geometric mean with a 95% bootstrap interval over the pairs, and kvpool's difference in µs.
-Then one kvpool scheduler a level with kvpool's two per-step hooks timed inside its steps. Last, a
+Then one kvpool scheduler a level with kvpool's two per-step hooks timed inside its steps. Next, a
 burst: that many unique prompts arrive at once (`vllm bench serve`'s default rate, every request at
 once), and the engine core's time from their add_request() through the step in which all of them
 decode is timed, ROUNDS pairs, with the lookups kvpool asked inside schedule() (a round trip each).
+Then kvpool alone: RETURNING returning users whose first round another engine saved arrive at once,
+with KV for RETURNING_ROOM at a time: its engine-core time until all have finished, and its round
+trips inside schedule(), the second ones for a missed chunk's tails included.
 Run: `PYTHONPATH=.:demo/src .venv-vllm-latest/bin/python -m bench scheduler_batch` (vLLM 0.33's scheduler,
-the newest; `.venv` runs it on 0.32's), about 2 minutes on 2 cores.
+the newest; `.venv` runs it on 0.32's), about 3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -39,9 +42,14 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from bench.stats import bootstrap, geomean, load_note  # noqa: E402
 from kvpool_connector.connector import KVPoolConnector  # noqa: E402
 from kvpool_demo.tinymodel import TINY, make_model  # noqa: E402
+from kvpool_sidecar.client import SidecarClient  # noqa: E402
 
 LEVELS = (1, 8, 64, 256)
 BURSTS = (64, 256)
+RETURNING = 64
+RETURNING_ROOM = 16  # requests the engine's KV holds at once
+RETURNING_TOKENS = 8
+RETURNING_FORWARD = 0.005  # a GPU's forward is milliseconds; the bench plays it with a sleep
 ROUNDS = 10
 STEPS = 200
 PROMPT_TOKENS = 352
@@ -65,22 +73,36 @@ def make_scheduler(model: Path, url: str, level: int, connector: bool) -> Schedu
 
 
 def prefill(scheduler: Scheduler, level: int, counters: dict[str, float] | None = None) -> float:
-    """Steps until all `level` requests decode; the seconds of its schedule() and update_from_output()
-    calls. `counters` sums kvpool's counters as the engine reports them."""
+    """Steps until all `level` requests decode (8,192 tokens a step); the seconds of their schedule()
+    and update_from_output() calls. `counters` sums kvpool's counters as the engine reports them."""
+    return timed_steps(scheduler, lambda so: so.total_num_scheduled_tokens == level, level + 64, counters)
+
+
+def timed_steps(
+    scheduler: Scheduler,
+    done: Callable[[Any], bool],
+    bound: int,
+    counters: dict[str, float] | None = None,
+    forward: float = 0.0,
+) -> float:
+    """Steps until `done` (given the step's scheduler output) after at most `bound` steps; the seconds of
+    their schedule() and update_from_output() calls. Each step's forward lasts `forward` seconds,
+    not counted; `counters` sums kvpool's counters as the engine reports them."""
     seconds = 0.0
-    for _ in range(level + 64):  # bounded: 8,192 tokens a step
+    for _ in range(bound):
         t0 = time.perf_counter()
         so = scheduler.schedule()
         t1 = time.perf_counter()
+        time.sleep(forward)
         output = sk.model_output(scheduler, so)
         t2 = time.perf_counter()
         engine_outputs = scheduler.update_from_output(so, output)
         seconds += time.perf_counter() - t2 + t1 - t0
         if counters is not None:
             sk.add_counters(counters, engine_outputs)
-        if so.total_num_scheduled_tokens == level:
+        if done(so):
             return seconds
-    raise RuntimeError(f"{level} requests did not all reach decoding")
+    raise RuntimeError(f"not done after {bound} steps")
 
 
 def arrivals(scheduler: Scheduler, level: int) -> float:
@@ -108,6 +130,65 @@ def burst(model: Path, url: str, level: int, in_schedule: list[float], connector
     if connector:
         in_schedule.append(sk.lookups_asked_in_schedule(counters))
     return seconds
+
+
+def saved_elsewhere(model: Path, url: str, level: int) -> list[list[int]]:
+    """`level` users' second rounds (their first, PROMPT_TOKENS long, and 40 tokens more), whose first
+    rounds another engine saved: chunk 0 and the first round's partial tail, with its block prefixes."""
+    firsts = [sk.prompt(PROMPT_TOKENS, next(_seeds)) for _ in range(level)]
+    other = make_scheduler(model, url, level, True)
+    try:
+        for tokens in firsts:
+            other.add_request(sk.make_request(tokens, max_tokens=1))
+        with SidecarClient(url, timeout=5) as client:
+            sk.save_like_a_worker(client, sk.run_to_end(other))
+    finally:
+        other.shutdown()
+    return [tokens + sk.prompt(40, next(_seeds)) for tokens in firsts]
+
+
+def returning_elsewhere(model: Path, url: str, rounds: list[list[int]], counters: dict[str, float]) -> float:
+    """Seconds of the engine core's part from `rounds` arriving at once until all have answered
+    RETURNING_TOKENS tokens, with KV for RETURNING_ROOM of them at a time (the rest queue, as behind a
+    full GPU), each step's forward lasting RETURNING_FORWARD (the sidecar answers meanwhile)."""
+    scheduler = make_scheduler(model, url, RETURNING_ROOM, True)
+    try:
+        requests = [sk.make_request(tokens, max_tokens=RETURNING_TOKENS) for tokens in rounds]
+        gc.collect()
+        t0 = time.perf_counter()
+        for request in requests:
+            scheduler.add_request(request)
+        added = time.perf_counter() - t0
+        finished = lambda so: not scheduler.has_unfinished_requests()  # noqa: E731
+        bound = len(rounds) * (RETURNING_TOKENS + 4)
+        return added + timed_steps(scheduler, finished, bound, counters, RETURNING_FORWARD)
+    finally:
+        scheduler.shutdown()
+
+
+def returning_users(model: Path, url: str) -> None:
+    print(
+        f"returning users whose first round another engine saved, {RETURNING} at once, KV for "
+        f"{RETURNING_ROOM} at a time, {RETURNING_TOKENS} tokens each, each step's forward "
+        f"{1e3 * RETURNING_FORWARD:.0f} ms: the engine core's part (add_request() of each, then "
+        f"schedule() + update_from_output() until all have finished); {ROUNDS} runs"
+    )
+    seconds, asked, tails, again = [], [], [], []
+    for _ in range(ROUNDS):
+        counters: dict[str, float] = {}
+        seconds.append(returning_elsewhere(model, url, saved_elsewhere(model, url, RETURNING), counters))
+        asked.append(sk.lookups_asked_in_schedule(counters))
+        tails.append(counters.get("tail_lookups", 0))
+        again.append(counters.get("lookups_guessed_again", 0))
+        # each loads its first round: chunk 0 and the partial tail's blocks
+        assert counters.get("hit_tokens") == RETURNING * PROMPT_TOKENS, counters
+    print(
+        f"  {1e3 * statistics.median(seconds):.1f} ms ({1e3 * min(seconds):.1f}-{1e3 * max(seconds):.1f}); "
+        f"round trips inside schedule(): lookups {min(asked):.0f}-{max(asked):.0f}, their tails asked again "
+        f"{min(tails):.0f}-{max(tails):.0f}; lookups sent again with the chunk found "
+        f"{min(again):.0f}-{max(again):.0f}; every one loaded its first round",
+        flush=True,
+    )
 
 
 def median_step(model: Path, url: str, level: int, connector: bool) -> float:
@@ -223,6 +304,7 @@ def main() -> None:
         decode_steps(model, url, 8, False)
         decode_levels(model, url)
         bursts(model, url)
+        returning_users(model, url)
     finally:
         sidecar.stop()
     print(f"({load_note()})")
