@@ -426,9 +426,9 @@ def test_a_returning_user_whose_chunks_another_engine_saved_is_asked_again_befor
     """Round 2 of a conversation on an engine that did not serve round 1 (another pod saved it, as a
     fleet's router sends most returning users): the lookup sent on arrival guessed a miss at chunk 0
     and asked that chunk's tails. Its answer, read as a step ends while the request waits for room,
-    says the prefix ends at chunk 2, where round 1's partial tail is: it is sent again with that
-    chunk's tails there, and schedule() reads one answer. Before, schedule() asked for those tails in
-    a second round trip of its own."""
+    says the prefix ends at chunk 2, where round 1's partial tail is: that chunk's tails are asked
+    then, alone (the prefix is known), and schedule() reads one answer. Before, schedule() asked for
+    those tails in a second round trip of its own."""
     url, client = sidecar
     other = make_scheduler(tiny_model, url)
     round1 = prompt(90, 70)  # chunks [0,32) [32,64) and the tail [64,80), saved by the other engine
@@ -445,8 +445,13 @@ def test_a_returning_user_whose_chunks_another_engine_saved_is_asked_again_befor
 
     answers = sidecar_answers_sent_lookups(s)
     calls = watch_schedule_for_socket_calls(s)
+    client = s.connector.scheduler.client
     counters: dict = {}
-    outputs = run_to_end(s, counters=counters, during_step=arrives)
+    with mock.patch.object(client, "send_lookup", wraps=client.send_lookup) as sent:
+        outputs = run_to_end(s, counters=counters, during_step=arrives)
+    # the prefix keys the returning user's lookups sent ahead asked: on arrival, its tails alone, and
+    # the whole prefix again when its answer aged out while it waited for the holder's blocks
+    assert [len(c.args[0]) for c in sent.call_args_list] == [4, 0, 4]
     assert first_computed(outputs, returning.request_id) == 80  # round 1's chunks and its tail's block
     assert counters.get("tail_lookups", 0) == 0
     assert counters["lookups_guessed_again"] == 1

@@ -92,6 +92,12 @@ class _Sent:
     step: int  # schedule() calls so far when it was sent (a renewal: its own step included)
     lookup: SentLookup
     stat: str  # counted when read: sent on arrival, or renewed at a step's end
+    # the keys found by the lookup this one follows (_guess_again): it asks the tails alone
+    found_keys: int | None = None
+
+    def keys_found(self, answered: int) -> int:
+        """The keys found of the plan's prefix, given the keys its answer found."""
+        return answered if self.found_keys is None else self.found_keys
 
 
 @dataclass
@@ -253,14 +259,18 @@ class KVPoolScheduler:
         plan = self._plan(st, st.request, num_computed_tokens)
         return self._send_plan(st, plan, num_computed_tokens, stat) if isinstance(plan, _Plan) else True
 
-    def _send_plan(self, st: _ReqState, plan: _Plan, num_computed_tokens: int, stat: str) -> bool:
+    def _send_plan(
+        self, st: _ReqState, plan: _Plan, num_computed_tokens: int, stat: str, found_keys: int | None = None
+    ) -> bool:
+        """Sends `plan`'s lookup, or with `found_keys` (its prefix found already) its tails alone."""
+        keys, at = (plan.keys, plan.guess * self._per_chunk) if found_keys is None else ((), 0)
         try:
-            sent = self.client.send_lookup(plan.keys, plan.guess * self._per_chunk, plan.groups)
+            sent = self.client.send_lookup(keys, at, plan.groups)
         except SidecarError:  # asked again, in schedule()
             return False
         if sent is None:  # control over HTTP: nothing is sent ahead
             return False
-        st.sent = _Sent(plan, num_computed_tokens, self._clock(), self._steps, sent, stat)
+        st.sent = _Sent(plan, num_computed_tokens, self._clock(), self._steps, sent, stat, found_keys)
         self._sent[st.request.request_id] = st
         return True
 
@@ -272,19 +282,21 @@ class KVPoolScheduler:
             self._guess_again()
 
     def _guess_again(self) -> None:
-        """Sends again, with the tails of the chunk where the prefix found ends, each lookup read ahead
+        """Asks again, for the tails of the chunk where the prefix found ends, each lookup read ahead
         whose answer says it ends elsewhere than the chunk whose tails it asked: another engine saved
         the chunks (a router that does not follow prefixes sends most returning users to another pod
-        than their last round's), or they were evicted. schedule() then reads one answer; before, it
-        asked for those tails in a second round trip of its own (_saved_tail)."""
+        than their last round's), or they were evicted. Only the tails are asked: the prefix is
+        known. schedule() then reads one answer; before, it asked for those tails in a second round
+        trip of its own (_saved_tail)."""
         per_chunk = self._per_chunk
         for st in list(self._sent.values()):
             sent = st.sent
             answer = sent.lookup.read_ahead_answer if sent is not None else None
             if sent is None or answer is None:
                 continue
+            found_keys = sent.keys_found(answer[0])
             links = sent.plan.links
-            hits = max(0, min(answer[0] // per_chunk, len(links)))
+            hits = max(0, min(found_keys // per_chunk, len(links)))
             if hits in (sent.plan.guess, len(links)):  # its tails were asked, or nothing missed
                 continue
             self._seen_stored(links[:hits])  # what the next plan guesses from
@@ -292,7 +304,7 @@ class KVPoolScheduler:
             plan = self._plan(st, st.request, sent.computed)
             if isinstance(plan, _Plan) and plan.guess != sent.plan.guess:
                 self._forget_sent(st)
-                self._send_plan(st, plan, sent.computed, "lookups_guessed_again")
+                self._send_plan(st, plan, sent.computed, "lookups_guessed_again", found_keys)
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -418,6 +430,7 @@ class KVPoolScheduler:
             if sent.plan.keys == plan.keys and fresh:
                 self.stats.add(sent.stat)
                 found_keys, found = sent.lookup.answer()
+                found_keys = sent.keys_found(found_keys)
                 n = len(plan.groups)
                 asked = sent.plan.guess == plan.guess and sent.plan.groups[:n] == plan.groups
                 return found_keys, found if found is not None and found < n else None, asked
