@@ -1,6 +1,7 @@
 """Two pods in miniature: two engine processes, each with its own sidecar, the sidecars sharing one
 real Redis. The second engine loads what the first saved, and its outputs match; a prefix the two
-share to the middle of a chunk loads to its last block."""
+share to the middle of a chunk, and returning users whose first rounds the first engine served, load
+to their last block."""
 
 from __future__ import annotations
 
@@ -91,49 +92,40 @@ def test_second_engine_loads_what_the_first_saved_through_redis(
     assert warm["outputs"][0]["logprobs"] == cold["outputs"][0]["logprobs"]
 
 
-def test_returning_users_whose_first_rounds_the_other_engine_served_load_them_at_once(
+def test_prefixes_the_other_engine_saved_load_to_their_last_block(
     tmp_path: Path, tiny_model: Path, redis: RedisServer
 ) -> None:
-    """Three users' second rounds reach engine Y at once; X served their first rounds. Y has seen none
-    of their chunks stored, so each lookup guesses a miss at chunk 0 and asks that chunk's tails; the
-    prefixes run on to the first rounds' tails (a block into chunk 3). The first one asks for its tail
-    in a second round trip, and the others' lookups go again with chunk 3's tails meanwhile. Each loads
-    its first round's 224 tokens, with the reference's tokens."""
-    first = {"label": "first", "prompts": FIRST_ROUNDS, "max_tokens": 6}
-    second = {"label": "second", "prompts": SECOND_ROUNDS, "max_tokens": 6, "reset_prefix_cache": "engine"}
-    ref = {"label": "second-ref", "prompts": SECOND_ROUNDS, "max_tokens": 6, "cache_salt": "second"}
-    with two_pods(tmp_path, tiny_model, redis, [first], [second, ref]) as (x, y, b_client):
-        x.wait_done("first")
+    """Prefix repetition across pods (#24 item 3), on one pair of engines:
+    - Engine X's prompt and engine Y's share 8 chunks and a block. Y finds the whole chunks in Redis,
+      and the block through the key of the block prefix of X's ninth chunk, which X's sidecar wrote
+      behind as an alias: Y loads all 544 shared tokens, as from its own CPU tier, with the
+      reference's tokens. Before, Redis knew chunks only: 512.
+    - Three users' second rounds reach Y at once; X served their first rounds. Y has seen none of their
+      chunks stored, so each lookup guesses a miss at chunk 0 and asks that chunk's tails, but their
+      prefixes run on to the first rounds' tails, a block into chunk 3. The first asks for its tail in
+      a second round trip; the others' lookups whose answers have come go again with chunk 3's tails
+      meanwhile. Each loads its first round's 224 tokens, with the reference's tokens."""
+    x_runs = [{"label": "first", "prompts": [FIRST]}, {"label": "rounds", "prompts": FIRST_ROUNDS}]
+    users = {"prompts": SECOND_ROUNDS, "max_tokens": 6}
+    y_runs = [
+        *reference_runs([("second", SECOND)]),
+        {"label": "users", **users, "reset_prefix_cache": "engine"},
+        {"label": "users-ref", **users, "cache_salt": "users"},
+    ]
+    with two_pods(tmp_path, tiny_model, redis, x_runs, y_runs) as (x, y, b_client):
+        x.wait_done("rounds")
         ns = tiny_namespace(tiny_model)
-        stored = [chunk_keys(ns, p[: 3 * CHUNK + BLOCK], 0) for p in FIRST_ROUNDS]  # 3 chunks and the tail
-        wait_until(
-            lambda: all(b_client.lookup(keys) == 4 for keys in stored), 60, "the first rounds in Redis"
-        )
-        y.go("second")
-        got, ref_out = (y.wait_done(label)["outputs"] for label in ("second", "second-ref"))
-    assert [o["num_cached_tokens"] for o in got] == [3 * CHUNK + BLOCK] * 3
-    for o, r in zip(got, ref_out, strict=True):
-        same_as_reference({"user": o, "user-ref": r}, "user")
-
-
-def test_a_prefix_shared_to_mid_chunk_loads_to_its_last_block_on_the_other_engine(
-    tmp_path: Path, tiny_model: Path, redis: RedisServer
-) -> None:
-    """Prefix repetition across pods (#24 item 3): engine X's prompt and engine Y's share 8 chunks and
-    a block. Y finds the whole chunks in Redis, and the block through the key of the block prefix of
-    X's ninth chunk, which X's sidecar wrote behind as an alias: Y loads all 544 shared tokens, as from
-    its own CPU tier, with the reference's tokens. Before, Redis knew chunks only: 512."""
-    first = {"label": "first", "prompts": [FIRST]}
-    with two_pods(tmp_path, tiny_model, redis, [first], reference_runs([("second", SECOND)])) as (
-        x,
-        y,
-        b_client,
-    ):
-        x.wait_done("first")
-        shared = chunk_keys(tiny_namespace(tiny_model), SHARED, 0)  # the last: the 9th chunk's first block
+        shared = chunk_keys(ns, SHARED, 0)  # the last: the 9th chunk's first block
         wait_until(lambda: b_client.lookup(shared[:8]) == 8, 60, "the whole chunks in Redis")
         wait_until(lambda: b_client.first_whole([shared[8:]]) == 0, 60, "the block prefix's alias in Redis")
+        rounds = [chunk_keys(ns, p[: 3 * CHUNK + BLOCK], 0) for p in FIRST_ROUNDS]  # 3 chunks, the tail
+        wait_until(lambda: all(b_client.lookup(k) == 4 for k in rounds), 60, "the first rounds in Redis")
         y.go("second")
-        out = {label: y.wait_done(label)["outputs"][0] for label in ("second", "second-ref")}
-    assert out["second"]["num_cached_tokens"] == len(SHARED)
-    same_as_reference(out, "second")
+        out = {
+            label: y.wait_done(label)["outputs"] for label in ("second", "second-ref", "users", "users-ref")
+        }
+    assert out["second"][0]["num_cached_tokens"] == len(SHARED)
+    same_as_reference({label: o[0] for label, o in out.items()}, "second")
+    assert [o["num_cached_tokens"] for o in out["users"]] == [3 * CHUNK + BLOCK] * 3
+    for got, ref in zip(out["users"], out["users-ref"], strict=True):
+        same_as_reference({"user": got, "user-ref": ref}, "user")
