@@ -54,17 +54,14 @@ def worktree(rev: str, at: Path) -> Iterator[Path]:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(at)], check=True)
 
 
-def main() -> None:
-    print(f"({load_note()})")
+@contextlib.contextmanager
+def beside_base() -> Iterator[tuple[str, Path, dict[str, str], contextlib.ExitStack]]:
+    """For servers of kvpool at KVPOOL_BASE beside this tree's, with vLLM's development endpoints on:
+    the base's short name, a work directory in /dev/shm, the environment that runs the base (its
+    worktree first on PYTHONPATH) and a stack the servers live on."""
     rev = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", BASE], check=True, capture_output=True, text=True
     ).stdout.strip()
-    base, this = f"kvpool at {rev}", "kvpool, this tree"
-    model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
-    every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
-    every = {base: every[KVPOOL], this: every[KVPOOL]}
-    lines: list[str] = []
-    counts: list[str] = []
     with (
         mock.patch.dict(os.environ, DEV_MODE),
         tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,
@@ -72,9 +69,20 @@ def main() -> None:
         contextlib.ExitStack() as stack,
     ):
         path = os.pathsep.join([*(str(tree / s) for s in SOURCES), os.environ.get("PYTHONPATH", "")])
+        yield rev, Path(d), {"PYTHONPATH": path}, stack
+
+
+def main() -> None:
+    print(f"({load_note()})")
+    model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
+    lines: list[str] = []
+    counts: list[str] = []
+    with beside_base() as (rev, d, base_path, stack):
+        base, this = f"kvpool at {rev}", "kvpool, this tree"
+        every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
+        every = {base: every[KVPOOL], this: every[KVPOOL]}
         order = (base, this) if BASE_FIRST else (this, base)
-        base_path = {"PYTHONPATH": path}
-        urls = start_servers(every, order, Path(d), stack, lambda n: base_path if n == base else {})
+        urls = start_servers(every, order, d, stack, lambda n: base_path if n == base else {})
         print(f"(servers up; {load_note()})", flush=True)
         for level in LEVELS:
             before = {a: counters(u, WATCHED) for a, u in urls.items()}
