@@ -48,8 +48,9 @@ STATS = (
     ),
     Stat(
         "lookups_guessed_again",
-        "Lookups sent ahead whose answer, read as a step ended, found the prefix ending at another chunk "
-        "than the one whose tails they asked: sent again with that chunk's tails, read in schedule()",
+        "Lookups sent ahead whose answer, read ahead (as a step ended, or before another lookup's second "
+        "round trip), found the prefix ending at another chunk than the one whose tails they asked: that "
+        "chunk's tails asked ahead, alone, and read in schedule()",
     ),
     Stat(
         "lookups_renewed",
