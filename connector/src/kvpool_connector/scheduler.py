@@ -296,11 +296,9 @@ class KVPoolScheduler:
                 continue
             found_keys = sent.keys_found(answer[0])
             links = sent.plan.links
-            hits = max(0, min(found_keys // per_chunk, len(links)))
+            hits = self._hits(found_keys, per_chunk, links)  # and what the next plan guesses from
             if hits in (sent.plan.guess, len(links)):  # its tails were asked, or nothing missed
                 continue
-            self._seen_stored(links[:hits])  # what the next plan guesses from
-            self._stored.pop(links[hits], None)
             plan = self._plan(st, st.request, sent.computed)
             if isinstance(plan, _Plan) and plan.guess != sent.plan.guess:
                 self._forget_sent(st)
