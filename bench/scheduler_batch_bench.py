@@ -110,6 +110,11 @@ def arrivals(scheduler: Scheduler, level: int) -> float:
     requests = [
         sk.make_request(sk.prompt(PROMPT_TOKENS, next(_seeds)), max_tokens=STEPS + 16) for _ in range(level)
     ]
+    return added(scheduler, requests)
+
+
+def added(scheduler: Scheduler, requests: list[Any]) -> float:
+    """Adds `requests` at once; the seconds of the add_request() calls."""
     t0 = time.perf_counter()
     for request in requests:
         scheduler.add_request(request)
@@ -155,13 +160,10 @@ def returning_elsewhere(model: Path, url: str, rounds: list[list[int]], counters
     try:
         requests = [sk.make_request(tokens, max_tokens=RETURNING_TOKENS) for tokens in rounds]
         gc.collect()
-        t0 = time.perf_counter()
-        for request in requests:
-            scheduler.add_request(request)
-        added = time.perf_counter() - t0
+        seconds = added(scheduler, requests)
         finished = lambda so: not scheduler.has_unfinished_requests()  # noqa: E731
         bound = len(rounds) * (RETURNING_TOKENS + 4)
-        return added + timed_steps(scheduler, finished, bound, counters, RETURNING_FORWARD)
+        return seconds + timed_steps(scheduler, finished, bound, counters, RETURNING_FORWARD)
     finally:
         scheduler.shutdown()
 
