@@ -11,12 +11,7 @@ images_log=$(mktemp -t kvpool-images.XXXX.log)
 echo "[test] the node's images build in the background: $images_log" >&2
 setsid nice -n 10 bash tests/node/images.sh >"$images_log" 2>&1 &
 images=$!
-# Keep the libraries every vLLM start reads in the page cache (why: tests/page_keeper.py).
-stdlib=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')
-.venv/bin/python tests/page_keeper.py .venv/lib .venv-vllm-latest/lib "$stdlib" .tools \
-    /usr/lib/x86_64-linux-gnu /usr/bin &
-keeper=$!
-trap 'kill -- -$images 2>/dev/null || true; kill $keeper 2>/dev/null || true' EXIT
+trap 'kill -- -$images 2>/dev/null || true' EXIT
 .venv/bin/ruff check .
 .venv/bin/mypy  # every package, the benches and the tests (pyproject.toml [tool.mypy])
 .venv-vllm-latest/bin/python -m pytest -m vllm_latest -p no:cacheprovider "$@"
