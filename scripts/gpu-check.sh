@@ -3,8 +3,8 @@
 # package index. Two steps:
 #   scripts/gpu-check.sh wheels   here: the sidecar's dependencies as Python 3.12 wheels into .whl/
 #                                 (git-ignored through .git/info/exclude; carry it to the GPU machine)
-#   scripts/gpu-check.sh run      there, from the repo root: the GPU tests; each stream ordering removed
-#                                 in turn from a copy of the code, whose test must then fail; `bench cuda`.
+#   scripts/gpu-check.sh run      there, from the repo root: the GPU tests; `bench cuda`; each stream
+#                                 ordering removed in turn from a copy of the code, whose test must then fail.
 #                                 Output also under $OUT when it is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,9 +35,14 @@ run() {
   mkdir -p "$out"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/kvpool-site .whl/*.whl
   export PYTHONUNBUFFERED=1 PYTHONPATH=$(paths "$PWD/connector/src")
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  {
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())' || true
+    nproc
+  } 2>&1 | tee "$out/env.log"
   timeout 150 python3 -m pytest -m gpu tests/connector/test_worker_cuda.py -p no:cacheprovider -q -rA --timeout 60 \
-    2>&1 | tee "$out/tests.log" | grep -E "PASSED|FAILED|passed|failed" || true
+    2>&1 | tee "$out/tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" || true
+  timeout 240 python3 -m bench cuda 2>&1 | tee "$out/bench.log" || echo "bench cuda: exit $?"
   {
     mutated chunk_io.py 'stream.wait_stream(torch.cuda.current_stream())' \
       test_a_layer_is_copied_out_after_the_forward_wrote_it
@@ -46,7 +51,6 @@ run() {
     mutated loader.py 'self.stream.wait_event(queued)' \
       test_a_load_writes_its_blocks_after_what_vllm_queued_before_it
   } 2>&1 | tee "$out/mutations.log"
-  timeout 240 python3 -m bench cuda 2>&1 | tee "$out/bench.log"
 }
 
 case "${1:-}" in
