@@ -36,6 +36,7 @@ from podchecks import assert_injected
 pytestmark = pytest.mark.e2e
 
 STATUS_PORT = 7071  # the pool's sidecar port 7070 + 1
+CHUNK_TOKENS = 32  # the pool's chunkSize (manifests/pool.yaml)
 PROMPT = " ".join(f"the cache keeps token {i} of this prompt warm" for i in range(30))
 RETURNING = " ".join(f"a user comes back with message {i} of the conversation" for i in range(30))
 ROLLOUT = " ".join(f"the deployment rolls while message {i} waits" for i in range(30))
@@ -45,13 +46,27 @@ def vllm_pods() -> list[dict[str, Any]]:
     return pods("app=vllm-e2e")
 
 
-def complete(base: str, prompt: str) -> str:
+def completion(base: str, prompt: str) -> dict[str, Any]:
     body = json.dumps({"model": "/models/tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
     req = urllib.request.Request(
         base + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(req, timeout=300) as r:
-        return json.load(r)["choices"][0]["text"]
+        return json.load(r)
+
+
+def complete(base: str, prompt: str) -> str:
+    return completion(base, prompt)["choices"][0]["text"]
+
+
+def wait_stored(sidecar: str, before: int, answer: dict[str, Any]) -> None:
+    """Waits until the sidecar at `sidecar`, which held `before` chunks, holds the whole chunks of the
+    prompt `answer` answered. Saves run off the step: a prompt sent again while its save is still
+    running (longer than the scheduler waits for it, on a loaded machine) is a miss, rightly."""
+    chunks = answer["usage"]["prompt_tokens"] // CHUNK_TOKENS
+    wait_until(
+        lambda: get_json(sidecar + "/stats")["chunks"] - before >= chunks, 60, "the prompt's chunks stored"
+    )
 
 
 def hit_tokens(base: str) -> float:
@@ -107,8 +122,11 @@ def test_a_returning_prompt_is_loaded_from_kvpool_with_identical_output(vllm_wor
     """vLLM's own prefix cache is off in these pods: a returning prompt's prefix can only come from
     kvpool, and vLLM's /metrics counts it."""
     a = vllm_pods()[0]["metadata"]["name"]
-    with port_forward(a, 8000) as vllm_a:
-        first = complete(vllm_a, RETURNING)
+    with port_forward(a, 8000) as vllm_a, port_forward(a, STATUS_PORT) as side_a:
+        stored = get_json(side_a + "/stats")["chunks"]
+        answer = completion(vllm_a, RETURNING)
+        first = answer["choices"][0]["text"]
+        wait_stored(side_a, stored, answer)
         before = hit_tokens(vllm_a)
         again = complete(vllm_a, RETURNING)
         loaded = wait_until(lambda: (n := hit_tokens(vllm_a)) > before and n, 60, "vLLM's count of the hit")
