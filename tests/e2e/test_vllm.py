@@ -186,7 +186,10 @@ def test_a_rollout_comes_up_warm_from_the_shared_tier(cluster: Cluster, vllm_wor
     (spec.redis.prewarm) loaded the chunks the old pods used most into it as it started."""
     old = vllm_pods()[0]["metadata"]["name"]
     with port_forward(old, 8000) as vllm, port_forward(old, STATUS_PORT) as side:
-        answer = complete(vllm, ROLLOUT)
+        stored = get_json(side + "/stats")["chunks"]
+        first = completion(vllm, ROLLOUT)
+        answer = first["choices"][0]["text"]
+        wait_stored(side, stored, first)
         before = hit_tokens(vllm)
         assert complete(vllm, ROLLOUT) == answer
         old_hit = wait_until(lambda: (n := hit_tokens(vllm)) > before and n, 60, "the old pod's hit") - before
