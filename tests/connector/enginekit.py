@@ -222,12 +222,17 @@ def conversation_runs(first: list[int], *rounds: list[int]) -> list[dict[str, An
     return runs + reference_runs(labelled)
 
 
-def serve_with_kvpool(d: Path, model: Path, runs: list[dict[str, Any]], **engine: Any) -> dict[str, Any]:
+def serve_with_kvpool(
+    d: Path,
+    model: Path,
+    runs: list[dict[str, Any]],
+    connector_extra: dict[str, Any] | None = None,
+    **engine: Any,
+) -> dict[str, Any]:
     """Every run's first output by label, the sidecar's stats and the engine log, in 128-token chunks."""
     sidecar = start_sidecar(d, "64Mi")
-    e = Engine(
-        d, "engine", engine_spec(model, kvpool_connector(sidecar.info["url"], chunk_size=128), runs, **engine)
-    )
+    connector = kvpool_connector(sidecar.info["url"], chunk_size=128, **(connector_extra or {}))
+    e = Engine(d, "engine", engine_spec(model, connector, runs, **engine))
     try:
         e.start()
         # a livelock never ends: a deadline well past what these runs take here shows it

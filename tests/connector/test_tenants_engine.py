@@ -31,7 +31,9 @@ def _engine(d: Path, name: str, model: Path, url: str | None, runs: dict[str, di
     """An engine (LoRA enabled) whose runs (label: cache_salt or lora) each wait for the test's go,
     after a warm-up."""
     engine = Engine(d, name, {})
-    connector = kvpool_connector(url) if url else None
+    # saves inside the step: the sidecar's chunk count read after a run is then all that run saved (off
+    # the step, on a loaded machine, the last of them could still be on their way)
+    connector = kvpool_connector(url, async_saves=False) if url else None
     steps = [
         {"label": label, "prompts": [PROMPT], "max_tokens": 6, "wait_for": engine.go_file(label), **inputs}
         for label, inputs in runs.items()
