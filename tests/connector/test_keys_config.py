@@ -157,6 +157,7 @@ def test_load_config_defaults_types_and_unknown_keys() -> None:
         ("copy_threads", 0),
         ("copy_threads", True),
         ("save_process", 1),
+        ("save_wait_ms", 0),
     ],
 )
 def test_load_config_rejects_wrong_values_naming_the_key(key: str, value: object) -> None:

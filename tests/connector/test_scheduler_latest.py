@@ -757,3 +757,30 @@ def test_a_prompt_sent_again_while_its_chunks_are_being_saved_waits_for_them(tin
     later = run_to_end(s)
     assert first_computed([so, *later]) == 48  # loaded, not computed (63 tokens, aligned to the block)
     assert_empty(s)
+
+
+def test_a_save_not_reported_finished_within_save_wait_ms_is_waited_for_no_more(tiny_model, sidecar) -> None:
+    """The wait for this engine's own save is bounded by `save_wait_ms`: a save the workers never report
+    finished (a hung sidecar) keeps a returning prompt waiting that long, then its lookup goes (a miss,
+    here: nothing was stored) and the request computes everything."""
+    url, _ = sidecar
+    s = make_scheduler(tiny_model, url, save_wait_ms=3000)
+    now = [1000.0]
+    s.connector.scheduler._clock = lambda: now[0]
+    tokens = prompt(64, 41)
+    s.add_request(make_request(tokens, max_tokens=1))
+    while s.has_unfinished_requests():  # the workers report no save finished
+        so = s.schedule()
+        s.update_from_output(so, model_output(s, so, saved_through=0))
+    again = make_request(tokens, max_tokens=1)
+    s.add_request(again)
+    waited = []
+    for seconds in (0.0, 1.5, 2.9, 3.1):  # past the 1 s default, inside the 3 s set
+        now[0] = 1000.0 + seconds
+        so = s.schedule()
+        waited.append(not so.scheduled_new_reqs)
+        s.update_from_output(so, model_output(s, so, saved_through=0))
+    assert waited == [True, True, True, False]
+    later = run_to_end(s)
+    assert first_computed([so, *later]) == 0
+    assert_empty(s)

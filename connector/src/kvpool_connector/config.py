@@ -48,6 +48,10 @@ class KVPoolConfig:
     # CPU: saves in a process of their own, which reads the blocks out of the worker's memory
     # (save_process.py), so that they take no turns at vLLM's GIL; false: on the worker's save thread.
     save_process: bool = True
+    # A lookup that needs a chunk this engine is still saving waits for that save at most this long,
+    # then is a miss (computed, never wrong). A save takes milliseconds; one still running after a
+    # second means a slow or hung sidecar, which a waiting request should not wait out.
+    save_wait_ms: int = 1000
 
 
 # key -> (accepted types, check on the value or None, what a valid value is)
@@ -69,6 +73,7 @@ _RULES: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "sync_loads": ((bool, type(None)), None, "true, false or null"),
     "copy_threads": ((int, type(None)), lambda v: v is None or v > 0, "a positive integer or null"),
     "save_process": ((bool,), None, "true or false"),
+    "save_wait_ms": (_INT, lambda v: v > 0, "a positive integer"),
 }
 assert set(_RULES) == {f.name for f in dataclasses.fields(KVPoolConfig)}
 

@@ -39,9 +39,6 @@ NULL_BLOCK = 0
 # this many steps or seconds, whichever ends first (each ask is a round trip inside schedule())
 REASK_STEPS = 16
 REASK_SECONDS = 1.0
-# A lookup that needs a chunk this engine is saving right now (saver.py) waits for that save, a step
-# or two; a save not reported finished this long after it was planned is waited for no more.
-SAVE_WAIT_SECONDS = 1.0
 # A lookup sent on arrival stands through the step after the one running at arrival, however long
 # (a CPU engine's prefill takes seconds), but never past this: an engine paused between steps.
 SENT_STANDS_SECONDS = 10.0
@@ -358,9 +355,10 @@ class KVPoolScheduler:
         return True
 
     def _saving(self, links: list[bytes]) -> bool:
-        """Whether a save of one of `links` planned in the last SAVE_WAIT_SECONDS is still running."""
-        now = self._clock()
-        return any(now - at < SAVE_WAIT_SECONDS for _, at in filter(None, map(self._unsaved.get, links)))
+        """Whether a save of one of `links` planned in the last `save_wait_ms` is still running: a
+        lookup that needs it waits for it, a step or two (saver.py)."""
+        now, wait = self._clock(), self.cfg.save_wait_ms / 1000
+        return any(now - at < wait for _, at in filter(None, map(self._unsaved.get, links)))
 
     @property
     def _per_chunk(self) -> int:
@@ -827,11 +825,11 @@ class KVPoolScheduler:
         if self._unsaved:
             progress = getattr(output, "kv_connector_worker_meta", None)
             through = progress.saved_through if isinstance(progress, KVPoolSaveProgress) else 0
-            now = self._clock()
+            now, wait = self._clock(), self.cfg.save_wait_ms / 1000
             # in planning order, so the finished and the expired are a prefix: no walk over the rest
             while self._unsaved:
                 link, (step, at) = next(iter(self._unsaved.items()))
-                if step > through and now - at < SAVE_WAIT_SECONDS:
+                if step > through and now - at < wait:
                     break
                 del self._unsaved[link]
         bad = set(getattr(output, "invalid_block_ids", None) or ())
