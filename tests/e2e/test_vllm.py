@@ -36,7 +36,6 @@ from podchecks import assert_injected
 pytestmark = pytest.mark.e2e
 
 STATUS_PORT = 7071  # the pool's sidecar port 7070 + 1
-CHUNK_TOKENS = 32  # the pool's chunkSize (manifests/pool.yaml)
 PROMPT = " ".join(f"the cache keeps token {i} of this prompt warm" for i in range(30))
 RETURNING = " ".join(f"a user comes back with message {i} of the conversation" for i in range(30))
 ROLLOUT = " ".join(f"the deployment rolls while message {i} waits" for i in range(30))
@@ -59,14 +58,18 @@ def complete(base: str, prompt: str) -> str:
     return completion(base, prompt)["choices"][0]["text"]
 
 
-def wait_stored(sidecar: str, before: int, answer: dict[str, Any]) -> None:
-    """Waits until the sidecar at `sidecar`, which held `before` chunks, holds the whole chunks of the
-    prompt `answer` answered. Saves run off the step: a prompt sent again while its save is still
-    running (longer than the scheduler waits for it, on a loaded machine) is a miss, rightly."""
-    chunks = answer["usage"]["prompt_tokens"] // CHUNK_TOKENS
+def answer_stored(base: str, sidecar: str, prompt: str) -> str:
+    """Completes `prompt` at `base`, then waits until the pod's sidecar at `sidecar` holds the prompt's
+    whole chunks. Saves run off the step: a prompt sent again while its save is still running (longer
+    than the scheduler waits for it, on a loaded machine) is a miss, rightly."""
+    before = get_json(sidecar + "/stats")["chunks"]
+    answer = completion(base, prompt)
+    chunk_tokens = kubectl_json("-n", NAMESPACE, "get", "kvp", "shared")["spec"]["chunkSize"]
+    chunks = answer["usage"]["prompt_tokens"] // chunk_tokens
     wait_until(
         lambda: get_json(sidecar + "/stats")["chunks"] - before >= chunks, 60, "the prompt's chunks stored"
     )
+    return answer["choices"][0]["text"]
 
 
 def hit_tokens(base: str) -> float:
@@ -123,10 +126,7 @@ def test_a_returning_prompt_is_loaded_from_kvpool_with_identical_output(vllm_wor
     kvpool, and vLLM's /metrics counts it."""
     a = vllm_pods()[0]["metadata"]["name"]
     with port_forward(a, 8000) as vllm_a, port_forward(a, STATUS_PORT) as side_a:
-        stored = get_json(side_a + "/stats")["chunks"]
-        answer = completion(vllm_a, RETURNING)
-        first = answer["choices"][0]["text"]
-        wait_stored(side_a, stored, answer)
+        first = answer_stored(vllm_a, side_a, RETURNING)
         before = hit_tokens(vllm_a)
         again = complete(vllm_a, RETURNING)
         loaded = wait_until(lambda: (n := hit_tokens(vllm_a)) > before and n, 60, "vLLM's count of the hit")
@@ -186,10 +186,7 @@ def test_a_rollout_comes_up_warm_from_the_shared_tier(cluster: Cluster, vllm_wor
     (spec.redis.prewarm) loaded the chunks the old pods used most into it as it started."""
     old = vllm_pods()[0]["metadata"]["name"]
     with port_forward(old, 8000) as vllm, port_forward(old, STATUS_PORT) as side:
-        stored = get_json(side + "/stats")["chunks"]
-        first = completion(vllm, ROLLOUT)
-        answer = first["choices"][0]["text"]
-        wait_stored(side, stored, first)
+        answer = answer_stored(vllm, side, ROLLOUT)
         before = hit_tokens(vllm)
         assert complete(vllm, ROLLOUT) == answer
         old_hit = wait_until(lambda: (n := hit_tokens(vllm)) > before and n, 60, "the old pod's hit") - before
