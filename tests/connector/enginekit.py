@@ -59,6 +59,11 @@ def prompt_keys(model: Path, tokens: list[int], tp_size: int = 1, rank: int = 0)
 # waits for it by default, which makes the hit a miss, rightly but beside these tests' point. A save
 # that fails still ends within timeout_ms, so this bounds nothing that could hang.
 SAVE_WAIT_MS = 60_000
+# Saves inside the step, where a test counts what a run saved right after it, or its engine has so few
+# KV blocks that the next run reuses a freed block at once: off the step, on a loaded machine, the last
+# saves can still be on their way, or be dropped at the fence after 0.1 s (a miss, rightly, beside
+# the test's point). Every other engine test saves off the step, as vLLM runs kvpool by default.
+SAVES_IN_STEP = {"async_saves": False}
 
 
 def kvpool_connector(url: str, **extra: Any) -> dict[str, Any]:

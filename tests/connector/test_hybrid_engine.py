@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from enginekit import (
     LONG_STEPS,
+    SAVES_IN_STEP,
     Engine,
     conversation_runs,
     engine_spec,
@@ -86,6 +87,7 @@ def chunked_one_block_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[st
         max_model_len=256,
         kv_cache_bytes=32 * 32768,  # 32 blocks of one layer: a freed block is handed out again soon
         enable_prefix_caching=True,
+        connector_extra=SAVES_IN_STEP,
     )
 
 
@@ -100,6 +102,7 @@ def one_block_steps(tmp_path_factory: pytest.TempPathFactory, hybrid_model: Path
         max_model_len=256,
         kv_cache_bytes=16 * 65536,  # 16 blocks of 2 layers (each shared by a windowed and a full layer)
         enable_prefix_caching=True,
+        connector_extra=SAVES_IN_STEP,
     )
 
 

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import LONG_STEPS, conversation_runs, reference_runs, same_as_reference, serve_with_kvpool
+from enginekit import (
+    LONG_STEPS,
+    SAVES_IN_STEP,
+    conversation_runs,
+    reference_runs,
+    same_as_reference,
+    serve_with_kvpool,
+)
 
 from kvpool_demo.tinymodel import TINY_SWA, make_model, random_prompt
 
@@ -59,9 +66,7 @@ def one_block_steps(tmp_path_factory: pytest.TempPathFactory, swa_model: Path) -
         max_model_len=512,
         kv_cache_bytes=8 * 65536,  # 8 blocks: a freed block is handed out again at once
         enable_prefix_caching=True,
-        # saves inside the step: off it, the next run reuses C's blocks at once, and a save the loaded
-        # machine has not started within the fence's 0.1 s is dropped (a miss: B would find nothing)
-        connector_extra={"async_saves": False},
+        connector_extra=SAVES_IN_STEP,
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from enginekit import Engine, engine_spec, kvpool_connector
+from enginekit import SAVES_IN_STEP, Engine, engine_spec, kvpool_connector
 from kvtest import start_sidecar
 
 from kvpool_demo.tinymodel import TINY, make_lora, make_model, random_prompt
@@ -33,7 +33,7 @@ def _engine(d: Path, name: str, model: Path, url: str | None, runs: dict[str, di
     engine = Engine(d, name, {})
     # saves inside the step: the sidecar's chunk count read after a run is then all that run saved (off
     # the step, on a loaded machine, the last of them could still be on their way)
-    connector = kvpool_connector(url, async_saves=False) if url else None
+    connector = kvpool_connector(url, **SAVES_IN_STEP) if url else None
     steps = [
         {"label": label, "prompts": [PROMPT], "max_tokens": 6, "wait_for": engine.go_file(label), **inputs}
         for label, inputs in runs.items()
