@@ -21,8 +21,8 @@ servers is not settled.
 
 Unique 352-token prompts with 8-token answers, temperature 0, token ids compared.
 Run: `.venv/bin/python -m bench processes` (about 55 minutes on 2 cores); writes
-bench/results/processes.json. Runs saved apart pool into one table, each of their sets one set:
-`python -c "import bench.processes_bench as p; p.pooled(['a.json', 'b.json'])"`.
+bench/results/processes.json (OUT) after each set. Runs saved apart pool into one table, each of
+their sets one set: `python -c "import bench.processes_bench as p; p.pooled(['a.json', 'b.json'])"`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ WAVES = {1: 16, 2: 8, 4: 6, 8: 4}
 SERVERS = (ALONE, KVPOOL, ALONE_2)
 ORDERS = list(itertools.permutations(SERVERS))  # set n's: each server starts first, and follows kvpool, alike
 SETS = len(ORDERS)
+# Every request, rewritten whole after each set: a run stopped early keeps the sets it finished. Set
+# it to another name (as LEVELS and SETS) to keep an earlier run's.
+OUT = RESULTS / "processes.json"
 
 
 def median_ratio(base: list[Wave], arm: list[Wave]) -> float:
@@ -135,7 +138,8 @@ def main() -> None:
                     shown = ", ".join(f"{k} {v:.3f}" for k, v in set_figures(waves).items())
                     counts = agreement(waves)
                     print(f"set {n} c={level}: {shown}; same ids, steps, waves {counts}", flush=True)
+            OUT.parent.mkdir(exist_ok=True)
+            OUT.with_suffix(".tmp").write_text(json.dumps(results))
+            OUT.with_suffix(".tmp").replace(OUT)
             print(f"set {n}: {time.perf_counter() - t0:.0f} s", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "processes.json").write_text(json.dumps(results))
     summarize([results])
