@@ -57,7 +57,7 @@ def prompt_keys(model: Path, tokens: list[int], tp_size: int = 1, rank: int = 0)
 # The tests assert what a run loads right after the run that saved it. Saves run beside the steps, and
 # on a loaded 2-core machine (the suite's halves side by side) one can take longer than the 1 s a lookup
 # waits for it by default, which makes the hit a miss, rightly but beside these tests' point. A save
-# that fails still ends within timeout_ms, so this bounds nothing that could hang.
+# that fails still ends within timeout_ms, so the longer wait never waits out a hang.
 SAVE_WAIT_MS = 60_000
 # Saves inside the step, where a test counts what a run saved right after it, or its engine has so few
 # KV blocks that the next run reuses a freed block at once: off the step, on a loaded machine, the last

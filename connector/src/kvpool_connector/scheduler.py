@@ -138,6 +138,7 @@ class KVPoolScheduler:
         sync_loads: bool = False,
     ):
         self.cfg = cfg
+        self.save_wait = cfg.save_wait_ms / 1000  # seconds: read at every step with saves in flight
         self.block_size = block_size
         # per KV cache group: with n tokens computed, the tokens whose blocks vLLM has freed (a
         # sliding window, chunked local attention), or None (full attention: it keeps every block)
@@ -357,8 +358,8 @@ class KVPoolScheduler:
     def _saving(self, links: list[bytes]) -> bool:
         """Whether a save of one of `links` planned in the last `save_wait_ms` is still running: a
         lookup that needs it waits for it, a step or two (saver.py)."""
-        now, wait = self._clock(), self.cfg.save_wait_ms / 1000
-        return any(now - at < wait for _, at in filter(None, map(self._unsaved.get, links)))
+        now = self._clock()
+        return any(now - at < self.save_wait for _, at in filter(None, map(self._unsaved.get, links)))
 
     @property
     def _per_chunk(self) -> int:
@@ -825,11 +826,11 @@ class KVPoolScheduler:
         if self._unsaved:
             progress = getattr(output, "kv_connector_worker_meta", None)
             through = progress.saved_through if isinstance(progress, KVPoolSaveProgress) else 0
-            now, wait = self._clock(), self.cfg.save_wait_ms / 1000
+            now = self._clock()
             # in planning order, so the finished and the expired are a prefix: no walk over the rest
             while self._unsaved:
                 link, (step, at) = next(iter(self._unsaved.items()))
-                if step > through and now - at < wait:
+                if step > through and now - at < self.save_wait:
                     break
                 del self._unsaved[link]
         bad = set(getattr(output, "invalid_block_ids", None) or ())
