@@ -45,17 +45,18 @@ def trace_records(where: Path) -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def traced_pair(
-    every: dict[str, Any], work: Path, n: int
+def traced_servers(
+    every: dict[str, Any], work: Path, n: int, servers: tuple[str, ...] = SERVERS
 ) -> Iterator[tuple[tuple[str, ...], dict[str, str], dict[str, Path]]]:
-    """Set n's fresh vLLM alone and kvpool servers (start order alternating), both traced: yields the
-    order, their URLs and the folder each one's records go to; all written once the block ends."""
-    order = SERVERS if n % 2 == 0 else SERVERS[::-1]
-    traces = {s: work / f"set{n}" / f"trace{i}" for i, s in enumerate(SERVERS)}
+    """Set n's fresh servers (by default vLLM alone and kvpool; start order rotated by n), all traced:
+    yields the order, their URLs and the folder each one's records go to; all written once the block
+    ends."""
+    order = servers[n % len(servers) :] + servers[: n % len(servers)]
+    traces = {s: work / f"set{n}" / f"trace{i}" for i, s in enumerate(servers)}
     for where in traces.values():
         where.mkdir(parents=True)
     with contextlib.ExitStack() as stack:
-        envs = {s: server_env(work / "plugin", traces[s]) for s in SERVERS}
+        envs = {s: server_env(work / "plugin", traces[s]) for s in servers}
         urls = start_servers(every, order, work / f"set{n}", stack, envs.__getitem__)
         yield order, urls, traces
         for url in urls.values():  # the engine core writes its records at a pause
@@ -131,7 +132,7 @@ def main() -> None:
         mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}),
     ):
         for n in range(SETS):
-            with traced_pair(every, Path(d), n) as (order, urls, traces):
+            with traced_servers(every, Path(d), n) as (order, urls, traces):
                 waves = {
                     lv: lockstep(urls, unique_prompts(nw * lv, seed=50_000 + 100 * n + lv), lv)
                     for lv, nw in WAVES.items()

@@ -20,6 +20,8 @@ pages made identical servers about 5% faster at concurrency 4; whether they narr
 servers is not settled.
 
 Unique 352-token prompts with 8-token answers, temperature 0, token ids compared.
+What vLLM charges any connector, and what kvpool adds to it: set SERVERS to (ALONE, KVPOOL, NULL),
+the third server then running a connector that does nothing (null_connector.py).
 Run: `.venv/bin/python -m bench processes` (about 55 minutes on 2 cores); writes
 bench/results/processes.json (OUT) after each set. Runs saved apart pool into one table, each of
 their sets one set: `python -c "import bench.processes_bench as p; p.pooled(['a.json', 'b.json'])"`.
@@ -42,14 +44,15 @@ from unittest import mock
 from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, LEVELS, Request, unique_prompts
 from bench.paired_bench import ALONE_2, DEV_MODE, Wave, lockstep, out_tokens_per_s, start_servers, wave_ratios
 from bench.stats import bootstrap, geomean, load_note
-from bench.workloads_bench import RESULTS, arms
+from bench.workloads_bench import NULL, RESULTS, arms
 from kvpool_demo.localrun import HUGE_PAGES
 from kvpool_demo.tinymodel import BENCH, make_model
 
 WAVES = {1: 16, 2: 8, 4: 6, 8: 4}
+# The third server: a second vLLM alone (the control), or NULL, vLLM with a connector that does nothing
+# (then kvpool / NULL is kvpool's own cost, NULL / vLLM alone what vLLM charges any connector).
 SERVERS = (ALONE, KVPOOL, ALONE_2)
-ORDERS = list(itertools.permutations(SERVERS))  # set n's: each server starts first, and follows kvpool, alike
-SETS = len(ORDERS)
+SETS = 6  # set n starts in the n-th of the six orders: each server starts first, and follows kvpool, alike
 # Every request, rewritten whole after each set: a run stopped early keeps the sets it finished. Set
 # it to another name (as LEVELS and SETS) to keep an earlier run's.
 OUT = RESULTS / "processes.json"
@@ -64,22 +67,34 @@ def tokens_ratio(base: list[Wave], arm: list[Wave]) -> float:
 
 
 def set_figures(waves: dict[str, list[Wave]]) -> dict[str, float]:
-    """One set's figures at one level: kvpool against both vLLM alone servers (the geometric mean
-    of its ratios against each), and the control, the second vLLM alone against the first."""
-    a, k, a2 = (waves[s] for s in SERVERS)
+    """One set's figures at one level. With a second vLLM alone: kvpool against both vLLM alone
+    servers (the geometric mean of its ratios against each), and the control, the second vLLM alone
+    against the first. With the null connector: kvpool and it against vLLM alone, kvpool against it."""
+    a, k = waves[ALONE], waves[KVPOOL]
+    if ALONE_2 in waves:
+        a2 = waves[ALONE_2]
+        return {
+            "kvpool TTFT": geomean([median_ratio(a, k), median_ratio(a2, k)]),
+            "control TTFT": median_ratio(a, a2),
+            "kvpool out tok/s": geomean([tokens_ratio(a, k), tokens_ratio(a2, k)]),
+            "control out tok/s": tokens_ratio(a, a2),
+        }
+    z = waves[NULL]
     return {
-        "kvpool TTFT": geomean([median_ratio(a, k), median_ratio(a2, k)]),
-        "control TTFT": median_ratio(a, a2),
-        "kvpool out tok/s": geomean([tokens_ratio(a, k), tokens_ratio(a2, k)]),
-        "control out tok/s": tokens_ratio(a, a2),
+        "kvpool TTFT": median_ratio(a, k),
+        "null connector TTFT": median_ratio(a, z),
+        "kvpool / null connector TTFT": median_ratio(z, k),
+        "kvpool out tok/s": tokens_ratio(a, k),
+        "null connector out tok/s": tokens_ratio(a, z),
+        "kvpool / null connector out tok/s": tokens_ratio(z, k),
     }
 
 
 def agreement(waves: dict[str, list[Wave]]) -> tuple[int, int, int]:
     """(requests whose ids all three servers agree on, waves all three ran in the same steps, waves)."""
-    ids = [[r.output for w in waves[s] for r in w.requests] for s in SERVERS]
+    ids = [[r.output for w in ws for r in w.requests] for ws in waves.values()]
     same_ids = sum(len({tuple(x) for x in t}) == 1 for t in zip(*ids, strict=True))
-    steps = zip(*([w.steps() for w in waves[s]] for s in SERVERS), strict=True)
+    steps = zip(*([w.steps() for w in ws] for ws in waves.values()), strict=True)
     return same_ids, sum(len(set(t)) == 1 for t in steps), len(waves[ALONE])
 
 
@@ -101,7 +116,7 @@ def summarize(runs: list[list[dict[str, Any]]]) -> None:
     print("| concurrency | figure | across the sets |\n| --- | --- | --- |")
     for level in levels:
         records = [r for run in runs for r in run if r["level"] == level]
-        at = [{s: waves_of(r, s) for s in SERVERS} for r in records]
+        at = [{s: waves_of(r, s) for s in r if s not in ("set", "level")} for r in records]
         figures = [set_figures(waves) for waves in at]
         for key in figures[0]:
             print(f"| {level} | {key} | {across([f[key] for f in figures])} |")
@@ -121,8 +136,9 @@ def main() -> None:
     every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
     results: list[dict[str, Any]] = []
     with mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}):
+        orders = list(itertools.permutations(SERVERS))
         for n in range(SETS):
-            order = ORDERS[n % len(ORDERS)]
+            order = orders[n % len(orders)]
             t0 = time.perf_counter()
             with (
                 tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d,

@@ -2,18 +2,21 @@
 connector adds to every step of every request, hit or miss, measured apart from the forward's
 process-to-process spread.
 
-SETS sets of a fresh vLLM alone and a fresh kvpool server, both up at once (start order alternating),
-sent the same released waves of LEVEL unique 352-token prompts (first server alternating). Both run
+SETS sets of a fresh vLLM alone, a fresh kvpool server and a fresh vLLM with a connector that does
+nothing (null_connector.py: what vLLM's connector path costs any connector, so kvpool's own part is
+the difference between the two), all up at once (start order rotated), sent the same released waves
+of LEVEL unique 352-token prompts (first server rotating). All run
 bench/phase_trace.py, which times in the engine's own processes each step's schedule() and
 update_from_output() (engine core), the worker's execute_model() and the model's forward inside it.
 Per step: the worker's time outside the model (input preparation, vLLM's connector calls and
 kvpool's worker hooks, the hand-off of saves), schedule() (kvpool's build_connector_meta) and
 update_from_output() (update_connector_output, the stats). Decode steps (a token a request) and
 the steps that carry prompt tokens are counted apart. Medians over a set's steps, in microseconds;
-kvpool's difference per set and the median of the sets. It also adds each wave's steps up, from its
-release to its last token: the share of vLLM alone's wave that kvpool's work outside the model
-costs, which a comparison of whole servers cannot resolve at load (bench processes).
-Run: `.venv/bin/python -m bench step_costs` (about 10 minutes on 2 cores); at a level:
+each connector's difference from vLLM alone per set and the median of the sets. It also adds each
+wave's steps up, from its release to its last token: the share of vLLM alone's wave that a
+connector's work outside the model costs, which a comparison of whole servers cannot resolve at load
+(bench processes).
+Run: `.venv/bin/python -m bench step_costs` (about 12 minutes on 2 cores); at a level:
 `python -c "import bench.step_costs_bench as s; s.LEVEL=8; s.main()"`.
 """
 
@@ -22,18 +25,20 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, unique_prompts
+from bench.load_bench import ALONE, ENGINE_BLOCKS, FLOOR_BLOCKS, KVPOOL, unique_prompts
 from bench.paired_bench import DEV_MODE, Wave, lockstep
-from bench.phases_bench import SERVERS, trace_records, traced_pair
+from bench.phases_bench import trace_records, traced_servers
 from bench.stats import load_note
-from bench.workloads_bench import arms
+from bench.workloads_bench import NULL, arms
 from kvpool_demo.localrun import HUGE_PAGES
 from kvpool_demo.tinymodel import BENCH, make_model
 
+SERVERS = (ALONE, KVPOOL, NULL)
 SETS = 4
 WAVES = 30
 LEVEL = 1  # requests a wave: a decode step schedules a token for each running one, LEVEL at most
@@ -97,39 +102,50 @@ def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
     every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
-    deltas: dict[tuple[str, str], list[float]] = {(k, part): [] for k in KINDS for part in PARTS}
-    shares: list[float] = []  # of a wave, kvpool's extra work outside the model
+    # per set: each server's median of a part over the steps of a kind (microseconds), its median
+    # time outside the model a wave, and vLLM alone's median wave
+    medians: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    outside: dict[str, list[float]] = defaultdict(list)
+    waves_us: list[float] = []
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-step-costs-", dir="/dev/shm") as d,
         mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}),
     ):
         for n in range(SETS):
-            with traced_pair(every, Path(d), n) as (order, urls, traces):
+            with traced_servers(every, Path(d), n, SERVERS) as (order, urls, traces):
                 turns = unique_prompts(WAVES * LEVEL, seed=60_000 + 100 * (LEVEL - 1) + n)
                 waves = lockstep(urls, turns, LEVEL)
             timed = {s: parts_timed(trace_records(traces[s])) for s in SERVERS}
-            print(f"set {n} ({', '.join(order)}; waves of {LEVEL})", flush=True)
+            waves_us.append(1e6 * statistics.median(w.seconds for w in waves[ALONE]))
+            print(f"set {n} ({', '.join(order)}; waves of {LEVEL}, vLLM alone's {waves_us[-1] / 1e3:.0f} ms)")
             for k in KINDS:
                 steps = {s: step_parts(timed[s], waves[s], k) for s in SERVERS}
-                print(f"  {k} steps ({len(steps[ALONE][PARTS[0]])} each):", flush=True)
+                print(f"  {k} steps ({len(steps[ALONE][PARTS[0]])} each), medians:", flush=True)
                 for part in PARTS:
-                    a, b = (1e6 * statistics.median(steps[s][part]) for s in SERVERS)
-                    deltas[k, part].append(b - a)
-                    print(f"    {part}: vLLM alone {a:.0f} us, kvpool {b:.0f} us, difference {b - a:+.0f}")
-            a, b = (1e6 * statistics.median(outside_a_wave(timed[s], waves[s])) for s in SERVERS)
-            wave = 1e6 * statistics.median(w.seconds for w in waves[ALONE])
-            shares.append((b - a) / wave)
-            print(f"  outside the model a wave: alone {a:.0f} us, kvpool {b:.0f} us ({wave / 1e3:.0f} ms)")
-            for k in (*KINDS, "empty"):  # schedule() calls that scheduled nothing
-                a, b = (1e6 * statistics.median(outside_a_wave(timed[s], waves[s], k)) for s in SERVERS)
-                print(f"    of which {k} steps: alone {a:.0f} us, kvpool {b:.0f} us, difference {b - a:+.0f}")
+                    for s in SERVERS:
+                        medians[s, k, part].append(1e6 * statistics.median(steps[s][part]))
+                    print(
+                        f"    {part}: " + ", ".join(f"{s} {medians[s, k, part][-1]:.0f} us" for s in SERVERS)
+                    )
+            for of in (None, *KINDS, "empty"):  # all steps, then by kind ("empty": scheduled nothing)
+                us = {s: 1e6 * statistics.median(outside_a_wave(timed[s], waves[s], of)) for s in SERVERS}
+                if of is None:
+                    for s in SERVERS:
+                        outside[s].append(us[s])
+                print(
+                    f"  outside the model a wave, {of or 'all'} steps: "
+                    + ", ".join(f"{s} {us[s]:.0f} us" for s in SERVERS)
+                )
             print(f"  ({load_note()})", flush=True)
-    for k in KINDS:
-        print(f"\nper {k} step, kvpool - vLLM alone (median of {SETS} sets; the sets' range):")
-        for part in PARTS:
-            v = deltas[k, part]
-            print(f"  {part}: {statistics.median(v):+.0f} us ({min(v):+.0f} to {max(v):+.0f})")
-    print(
-        f"\nkvpool's extra work outside the model, as a share of vLLM alone's wave: "
-        f"{100 * statistics.median(shares):+.2f}% ({100 * min(shares):+.2f}% to {100 * max(shares):+.2f}%)"
-    )
+    # what vLLM charges any connector, what kvpool costs in all, and kvpool's own part of that
+    for arm, base in ((NULL, ALONE), (KVPOOL, ALONE), (KVPOOL, NULL)):
+        for k in KINDS:
+            print(f"\nper {k} step, {arm} - {base} (median of {SETS} sets; the sets' range):")
+            for part in PARTS:
+                v = [x - b for x, b in zip(medians[arm, k, part], medians[base, k, part], strict=True)]
+                print(f"  {part}: {statistics.median(v):+.0f} us ({min(v):+.0f} to {max(v):+.0f})")
+        v = [100 * (x - b) / w for x, b, w in zip(outside[arm], outside[base], waves_us, strict=True)]
+        print(
+            f"{arm} - {base}: work outside the model, as a share of vLLM alone's wave: "
+            f"{statistics.median(v):+.2f}% ({min(v):+.2f}% to {max(v):+.2f}%)"
+        )

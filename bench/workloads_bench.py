@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.null_connector import SPEC as NULL_SPEC
 from bench.stats import load_note, pct
 from kvpool_demo.localrun import (
     free_port,
@@ -56,6 +57,7 @@ ENGINE_BLOCKS = 24  # the engine's own KV cache: 1,536 tokens
 FLOOR_BLOCKS = 640  # enough for every workload's working set at once
 RESULTS = Path(__file__).parent / "results"
 LMCACHE_VENV = Path(__file__).parent.parent / ".venv-lmcache"
+NULL = "vLLM, a connector that does nothing"  # what vLLM charges any connector (null_connector.py)
 
 
 def workloads() -> dict[str, list[Turn]]:
@@ -143,6 +145,11 @@ def arms(
             yield urls
 
     @contextlib.contextmanager
+    def null(work: Path) -> Iterator[list[str]]:
+        with _server(model, work / "vllm.log", engine_blocks, NULL_SPEC) as url:
+            yield [url]
+
+    @contextlib.contextmanager
     def example(work: Path) -> Iterator[list[str]]:
         (work / "files").mkdir(parents=True)
         spec = {"name": "ExampleConnector", "extra": {"shared_storage_path": str(work / "files")}}
@@ -171,6 +178,7 @@ def arms(
         "kvpool, CPU tier": (kvpool_cpu, one),
         "kvpool, 2 engines via Redis": (kvpool_redis, lambda t: (t.user + t.round) % 2),
         "ExampleConnector": (example, one),
+        NULL: (null, one),
     }
     if (LMCACHE_VENV / "bin" / "lmcache").exists():
         out["LMCache (multiprocess mode)"] = (lmcache, one)
@@ -341,7 +349,8 @@ def main() -> None:
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
     results = []
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-", dir="/dev/shm") as d:
-        for i, (name, (servers, route)) in enumerate(arms(model).items()):
+        workload_arms = [(n, arm) for n, arm in arms(model).items() if n != NULL]  # a cache each, or none
+        for i, (name, (servers, route)) in enumerate(workload_arms):
             results.append(run_arm(name, servers, route, Path(d) / f"arm{i}"))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "workloads.json").write_text(
