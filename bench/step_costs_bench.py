@@ -15,7 +15,8 @@ the steps that carry prompt tokens are counted apart. Medians over a set's steps
 each connector's difference from vLLM alone per set and the median of the sets. It also adds each
 wave's steps up, from its release to its last token: the share of vLLM alone's wave that a
 connector's work outside the model costs, which a comparison of whole servers cannot resolve at load
-(bench processes).
+(bench processes); and each server's whole wave, with its time outside the engine's steps (the client,
+the API server, the hand-offs between processes).
 Run: `.venv/bin/python -m bench step_costs` (about 12 minutes on 2 cores); at a level:
 `python -c "import bench.step_costs_bench as s; s.LEVEL=8; s.main()"`.
 """
@@ -94,6 +95,11 @@ def outside_a_wave(timed: list[Timed], waves: list[Wave], of: str | None = None)
     ]
 
 
+def in_steps(timed: list[Timed], waves: list[Wave]) -> list[float]:
+    """Each wave's time in its steps (seconds): every part, the forward included."""
+    return [sum(t for t0, _, _, t in timed if during(t0, w)) for w in waves]
+
+
 def during(t0: float, wave: Wave) -> bool:
     return wave.released_at <= t0 <= wave.released_at + wave.seconds
 
@@ -107,6 +113,8 @@ def main() -> None:
     medians: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     outside: dict[str, list[float]] = defaultdict(list)
     waves_us: list[float] = []
+    walls: dict[str, list[float]] = defaultdict(list)  # each server's median wave
+    between: dict[str, list[float]] = defaultdict(list)  # and a wave's median time outside its steps
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-step-costs-", dir="/dev/shm") as d,
         mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}),
@@ -136,6 +144,12 @@ def main() -> None:
                     f"  outside the model a wave, {of or 'all'} steps: "
                     + ", ".join(f"{s} {us[s]:.0f} us" for s in SERVERS)
                 )
+            for s in SERVERS:  # a wave from its release to its last token, in the engine's steps or not
+                whole = [w.seconds for w in waves[s]]
+                rest = [w - t for w, t in zip(whole, in_steps(timed[s], waves[s]), strict=True)]
+                walls[s].append(1e6 * statistics.median(whole))
+                between[s].append(1e6 * statistics.median(rest))
+                print(f"  a wave: {s} {walls[s][-1] / 1e3:.1f} ms, outside its steps {between[s][-1]:.0f} us")
             print(f"  ({load_note()})", flush=True)
     # what vLLM charges any connector, what kvpool costs in all, and kvpool's own part of that
     for arm, base in ((NULL, ALONE), (KVPOOL, ALONE), (KVPOOL, NULL)):
@@ -149,3 +163,7 @@ def main() -> None:
             f"{arm} - {base}: work outside the model, as a share of vLLM alone's wave: "
             f"{statistics.median(v):+.2f}% ({min(v):+.2f}% to {max(v):+.2f}%)"
         )
+        v = [100 * (x / b - 1) for x, b in zip(walls[arm], walls[base], strict=True)]
+        print(f"{arm} / {base}: a whole wave {statistics.median(v):+.2f}% ({min(v):+.2f}% to {max(v):+.2f}%)")
+        v = [x - b for x, b in zip(between[arm], between[base], strict=True)]
+        print(f"  of it outside the steps: {statistics.median(v):+.0f} us ({min(v):+.0f} to {max(v):+.0f})")
