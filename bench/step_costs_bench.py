@@ -108,13 +108,12 @@ def main() -> None:
     print(f"({load_note()})")
     model = make_model(Path(tempfile.gettempdir()) / "kvpool-models" / "bench-llama", BENCH)
     every = arms(model, ENGINE_BLOCKS, FLOOR_BLOCKS)
-    # per set: each server's median of a part over the steps of a kind (microseconds), its median
-    # time outside the model a wave, and vLLM alone's median wave
+    # per set, in microseconds: each server's median of a part over the steps of a kind, its median
+    # wave, a wave's median time outside the model and outside the engine's steps
     medians: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    walls: dict[str, list[float]] = defaultdict(list)
     outside: dict[str, list[float]] = defaultdict(list)
-    waves_us: list[float] = []
-    walls: dict[str, list[float]] = defaultdict(list)  # each server's median wave
-    between: dict[str, list[float]] = defaultdict(list)  # and a wave's median time outside its steps
+    between: dict[str, list[float]] = defaultdict(list)
     with (
         tempfile.TemporaryDirectory(prefix="kvpool-step-costs-", dir="/dev/shm") as d,
         mock.patch.dict(os.environ, {**DEV_MODE, **HUGE_PAGES}),
@@ -124,8 +123,7 @@ def main() -> None:
                 turns = unique_prompts(WAVES * LEVEL, seed=60_000 + 100 * (LEVEL - 1) + n)
                 waves = lockstep(urls, turns, LEVEL)
             timed = {s: parts_timed(trace_records(traces[s])) for s in SERVERS}
-            waves_us.append(1e6 * statistics.median(w.seconds for w in waves[ALONE]))
-            print(f"set {n} ({', '.join(order)}; waves of {LEVEL}, vLLM alone's {waves_us[-1] / 1e3:.0f} ms)")
+            print(f"set {n} ({', '.join(order)}; waves of {LEVEL})", flush=True)
             for k in KINDS:
                 steps = {s: step_parts(timed[s], waves[s], k) for s in SERVERS}
                 print(f"  {k} steps ({len(steps[ALONE][PARTS[0]])} each), medians:", flush=True)
@@ -145,9 +143,8 @@ def main() -> None:
                     + ", ".join(f"{s} {us[s]:.0f} us" for s in SERVERS)
                 )
             for s in SERVERS:  # a wave from its release to its last token, in the engine's steps or not
-                whole = [w.seconds for w in waves[s]]
-                rest = [w - t for w, t in zip(whole, in_steps(timed[s], waves[s]), strict=True)]
-                walls[s].append(1e6 * statistics.median(whole))
+                rest = [w.seconds - t for w, t in zip(waves[s], in_steps(timed[s], waves[s]), strict=True)]
+                walls[s].append(1e6 * statistics.median(w.seconds for w in waves[s]))
                 between[s].append(1e6 * statistics.median(rest))
                 print(f"  a wave: {s} {walls[s][-1] / 1e3:.1f} ms, outside its steps {between[s][-1]:.0f} us")
             print(f"  ({load_note()})", flush=True)
@@ -158,7 +155,7 @@ def main() -> None:
             for part in PARTS:
                 v = [x - b for x, b in zip(medians[arm, k, part], medians[base, k, part], strict=True)]
                 print(f"  {part}: {statistics.median(v):+.0f} us ({min(v):+.0f} to {max(v):+.0f})")
-        v = [100 * (x - b) / w for x, b, w in zip(outside[arm], outside[base], waves_us, strict=True)]
+        v = [100 * (x - b) / w for x, b, w in zip(outside[arm], outside[base], walls[ALONE], strict=True)]
         print(
             f"{arm} - {base}: work outside the model, as a share of vLLM alone's wave: "
             f"{statistics.median(v):+.2f}% ({min(v):+.2f}% to {max(v):+.2f}%)"
