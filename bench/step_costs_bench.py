@@ -82,22 +82,19 @@ def step_parts(timed: list[Timed], waves: list[Wave], of: str) -> dict[str, list
     return out
 
 
-def outside_a_wave(timed: list[Timed], waves: list[Wave], of: str | None = None) -> list[float]:
-    """Each wave's time outside the model (seconds): the parts but the forward of its steps (of one
-    kind, or all), from the wave's release to its last token."""
+def in_a_wave(
+    timed: list[Timed], waves: list[Wave], of: str | None = None, model: bool = False
+) -> list[float]:
+    """Each wave's time in its steps (seconds), from its release to its last token: the parts of its
+    steps of one kind (or all), the model's forward only when `model`."""
     return [
         sum(
             t
             for t0, tokens, part, t in timed
-            if part != PARTS[3] and of in (None, kind(tokens)) and during(t0, w)
+            if (model or part != PARTS[3]) and of in (None, kind(tokens)) and during(t0, w)
         )
         for w in waves
     ]
-
-
-def in_steps(timed: list[Timed], waves: list[Wave]) -> list[float]:
-    """Each wave's time in its steps (seconds): every part, the forward included."""
-    return [sum(t for t0, _, _, t in timed if during(t0, w)) for w in waves]
 
 
 def during(t0: float, wave: Wave) -> bool:
@@ -134,7 +131,7 @@ def main() -> None:
                         f"    {part}: " + ", ".join(f"{s} {medians[s, k, part][-1]:.0f} us" for s in SERVERS)
                     )
             for of in (None, *KINDS, "empty"):  # all steps, then by kind ("empty": scheduled nothing)
-                us = {s: 1e6 * statistics.median(outside_a_wave(timed[s], waves[s], of)) for s in SERVERS}
+                us = {s: 1e6 * statistics.median(in_a_wave(timed[s], waves[s], of)) for s in SERVERS}
                 if of is None:
                     for s in SERVERS:
                         outside[s].append(us[s])
@@ -143,7 +140,8 @@ def main() -> None:
                     + ", ".join(f"{s} {us[s]:.0f} us" for s in SERVERS)
                 )
             for s in SERVERS:  # a wave from its release to its last token, in the engine's steps or not
-                rest = [w.seconds - t for w, t in zip(waves[s], in_steps(timed[s], waves[s]), strict=True)]
+                stepped = in_a_wave(timed[s], waves[s], model=True)
+                rest = [w.seconds - t for w, t in zip(waves[s], stepped, strict=True)]
                 walls[s].append(1e6 * statistics.median(w.seconds for w in waves[s]))
                 between[s].append(1e6 * statistics.median(rest))
                 print(f"  a wave: {s} {walls[s][-1] / 1e3:.1f} ms, outside its steps {between[s][-1]:.0f} us")
